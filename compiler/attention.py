@@ -1,0 +1,206 @@
+"""Find each layer's attention by anchoring on the KV-cache plumbing, not on op order.
+
+    past_key_values.i.key --+
+                            Concat(axis=-2) --> present.i.key --(repeat_kv, Transpose)--+
+    k_new ------------------+                                                            |
+    q ----------------------------------------------------------------------> MatMul (scores)
+          scores -> [Mul/Div scale] -> [Add/Where mask] -> Softmax -> [Cast] -+
+    present.i.value --(repeat_kv)--------------------------------------------> MatMul -> out
+
+or, from the dynamo exporter, the same with one ONNX `Attention(q, K, V, mask)` node, or an
+`Attention` that takes past_key/past_value itself. The match names q, k_new, v_new, the
+tensor the attention produces and the softmax scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx_graphsurgeon as gs
+
+from dspark.compiler.contract import InputContract, past_name, present_name
+from dspark.runtime.errors import UnmappableAttentionError
+
+LAYOUT_OPS = frozenset({"Unsqueeze", "Expand", "Reshape", "Transpose", "Identity", "Squeeze"})
+PROBS_PASS = frozenset({"Cast", "Identity", "Dropout"})
+SWAP_LAST = [0, 1, 3, 2]
+
+
+@dataclass
+class AttentionMatch:
+    layer: int
+    q: gs.Variable
+    k_new: gs.Variable
+    v_new: gs.Variable
+    out: gs.Variable  # what the attention produced, [batch, heads, seq, head_dim]
+    terminal: gs.Node  # the node producing `out`
+    scale: float | None  # None: the ONNX Attention default, 1/sqrt(head_dim)
+
+
+@dataclass
+class _Chain:
+    end: gs.Node  # first consumer that is not a layout op
+    fed: gs.Variable  # the tensor the chain hands to `end`
+    perms: list[list[int]]
+    factor: float
+
+
+def _unmappable(contract: InputContract, layer: int, why: str) -> UnmappableAttentionError:
+    return UnmappableAttentionError(f"{contract.path}: layer {layer}: cannot map attention: {why}")
+
+
+def scalar(t: gs.Tensor) -> float | None:
+    if isinstance(t, gs.Constant) and t.values.size == 1:
+        return float(t.values.reshape(()))
+    return None
+
+
+def _scale_step(n: gs.Node, t: gs.Tensor) -> float | None:
+    """Mul/Div of `t` by a scalar constant: the factor it applies, else None."""
+    if n.op not in ("Mul", "Div") or len(n.inputs) != 2:
+        return None
+    other = n.inputs[1] if n.inputs[0] is t else n.inputs[0]
+    c = scalar(other)
+    if c is None or (n.op == "Div" and n.inputs[0] is not t):
+        return None
+    return c if n.op == "Mul" else 1.0 / c
+
+
+def live_consumers(t: gs.Tensor) -> list[gs.Node]:
+    """Consumers that use the values, not only the shape."""
+    return [n for n in t.outputs if n.op != "Shape"]
+
+
+def _follow(t: gs.Variable, scale_ok: bool, where: str, fail) -> _Chain:
+    perms, factor = [], 1.0
+    while True:
+        users = live_consumers(t)
+        if len(users) != 1:
+            raise fail(f"{where} {t.name} has {len(users)} consumers, expected one")
+        n = users[0]
+        if n.op in LAYOUT_OPS and n.inputs[0] is t:
+            if n.op == "Transpose":
+                perms.append(list(n.attrs.get("perm", [])))
+            t = n.outputs[0]
+            continue
+        step = _scale_step(n, t) if scale_ok else None
+        if step is not None:
+            factor *= step
+            t = n.outputs[0]
+            continue
+        return _Chain(n, t, perms, factor)
+
+
+def _from_past(t: gs.Tensor, name: str) -> bool:
+    """t is the graph input `name`, possibly behind Identity or one-input Concat."""
+    while t.name != name:
+        if len(t.inputs) != 1 or t.inputs[0].op not in ("Identity", "Concat"):
+            return False
+        if len(t.inputs[0].inputs) != 1:
+            return False
+        t = t.inputs[0].inputs[0]
+    return True
+
+
+def _split_present(tensors: dict, contract: InputContract, layer: int, kind: str
+                   ) -> tuple[gs.Variable, gs.Node]:
+    present = tensors[present_name(layer, kind)]
+    producer = present.inputs[0] if present.inputs else None
+    if producer is None:
+        raise _unmappable(contract, layer, f"present.{layer}.{kind} has no producer")
+    ok = (producer.op == "Concat" and len(producer.inputs) == 2
+          and producer.attrs.get("axis") in (-2, 2)
+          and _from_past(producer.inputs[0], past_name(layer, kind)))
+    if ok:
+        return producer.inputs[1], producer
+    if producer.op == "Attention":
+        return present, producer
+    raise _unmappable(contract, layer,
+                      f"present.{layer}.{kind} comes from {producer.op} node '{producer.name}', "
+                      f"expected Concat(past_key_values.{layer}.{kind}, new)")
+
+
+def _native_cache_attention(node: gs.Node, contract: InputContract, layer: int) -> AttentionMatch:
+    """Attention(q, k_new, v_new, mask, past_key, past_value) -> (out, present_key, present_value)."""
+    fail = lambda why: _unmappable(contract, layer, why)  # noqa: E731
+    if len(node.inputs) < 6 or not _from_past(node.inputs[4], past_name(layer, "key")):
+        raise fail(f"Attention node '{node.name}' does not read past_key_values.{layer}.key")
+    _check_attention_attrs(node, fail)
+    return AttentionMatch(layer, node.inputs[0], node.inputs[1], node.inputs[2], node.outputs[0],
+                          node, node.attrs.get("scale"))
+
+
+def _check_attention_attrs(node: gs.Node, fail) -> None:
+    if float(node.attrs.get("softcap", 0.0)) != 0.0:
+        raise fail(f"soft-capped Attention node '{node.name}' is not supported")
+    if int(node.attrs.get("qk_matmul_output_mode", 0)) != 0 or len(node.outputs) == 4:
+        raise fail(f"Attention node '{node.name}' exposes its qk scores")
+
+
+def _scores_to_softmax(score: gs.Node, fail) -> tuple[gs.Node, float]:
+    """Walk scores -> Softmax through scale and mask ops; returns (Softmax, scale factor)."""
+    t, factor = score.outputs[0], 1.0
+    while True:
+        users = live_consumers(t)
+        if len(users) != 1:
+            raise fail(f"scores {t.name} have {len(users)} consumers")
+        n = users[0]
+        step = _scale_step(n, t)
+        if n.op == "Softmax":
+            if n.attrs.get("axis", -1) not in (-1, 3):
+                raise fail(f"Softmax '{n.name}' is not over the key axis")
+            return n, factor
+        if step is not None:
+            factor *= step
+        elif n.op == "Tanh":
+            raise fail(f"soft-capped attention (Tanh node '{n.name}') is not supported")
+        elif n.op not in ("Add", "Where", "Cast"):
+            raise fail(f"unexpected {n.op} node '{n.name}' between scores and Softmax")
+        t = n.outputs[0]
+
+
+def _eager(chain_k: _Chain, chain_v: _Chain, k_new, v_new, contract, layer) -> AttentionMatch:
+    fail = lambda why: _unmappable(contract, layer, why)  # noqa: E731
+    score = chain_k.end
+    if score.op != "MatMul" or score.inputs[1] is not chain_k.fed:
+        raise fail(f"present.{layer}.key feeds {score.op} node '{score.name}', not a score MatMul")
+    if chain_k.perms != [SWAP_LAST]:
+        raise fail(f"key path transposes {chain_k.perms}, expected one swap of the last two axes")
+    softmax, factor = _scores_to_softmax(score, fail)
+    t = softmax.outputs[0]
+    while len(users := live_consumers(t)) == 1 and users[0].op in PROBS_PASS:
+        t = users[0].outputs[0]
+    out_mm = chain_v.end
+    if out_mm.op != "MatMul" or out_mm.inputs[0] is not t or out_mm.inputs[1] is not chain_v.fed:
+        raise fail(f"Softmax '{softmax.name}' and present.{layer}.value do not meet in one MatMul")
+    return AttentionMatch(layer, score.inputs[0], k_new, v_new, out_mm.outputs[0], out_mm,
+                          factor * chain_k.factor)
+
+
+def match_layer(tensors: dict, contract: InputContract, layer: int) -> AttentionMatch:
+    fail = lambda why: _unmappable(contract, layer, why)  # noqa: E731
+    k_new, k_prod = _split_present(tensors, contract, layer, "key")
+    v_new, _ = _split_present(tensors, contract, layer, "value")
+    if k_prod.op == "Attention":
+        return _native_cache_attention(k_prod, contract, layer)
+    chain_k = _follow(tensors[present_name(layer, "key")], True, "present key", fail)
+    chain_v = _follow(tensors[present_name(layer, "value")], False, "present value", fail)
+    if chain_v.perms:
+        raise fail(f"value path transposes {chain_v.perms}")
+    if chain_k.end.op != "Attention":
+        return _eager(chain_k, chain_v, k_new, v_new, contract, layer)
+    node = chain_k.end
+    if chain_k.perms or node.inputs[1] is not chain_k.fed or chain_v.end is not node \
+            or node.inputs[2] is not chain_v.fed:
+        raise fail(f"Attention node '{node.name}' does not take present.{layer}.key/value as K/V")
+    if len(node.inputs) > 4 and any(i.name for i in node.inputs[4:]):
+        raise fail(f"Attention node '{node.name}' also takes a past cache")
+    _check_attention_attrs(node, fail)
+    scale = node.attrs.get("scale")
+    return AttentionMatch(layer, node.inputs[0], k_new, v_new, node.outputs[0], node,
+                          None if scale is None else scale * chain_k.factor)
+
+
+def find_attentions(graph: gs.Graph, contract: InputContract) -> list[AttentionMatch]:
+    tensors = graph.tensors()
+    return [match_layer(tensors, contract, i) for i in range(contract.num_layers)]

@@ -1,0 +1,117 @@
+"""`dsc compile`: two ONNX models in, one verified .dsmodel bundle out.
+
+    check inputs -> [per model] optimize -> verify-nodes (+ segments, weights)
+                 -> kernels -> layout -> tokenizer, config, manifest -> atomic rename
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspark.compiler.bundle_writer import check_output, list_files, publish, staged_bundle
+from dspark.compiler.contract import InputContract, check_contract, load_header
+from dspark.compiler.kernel_stage import kernel_constants, render_kernels
+from dspark.compiler.model_pipeline import compile_model
+from dspark.compiler.progress import Progress
+from dspark.compiler.tokenizer import copy_tokenizer, find_tokenizer, tokenizer_vocab_size
+from dspark.runtime.bundle import MEMORY_PLAN_FILE, TOKENIZER_DIR, dump_json
+from dspark.runtime.config import CONFIG_FILE, DFlashConfig
+from dspark.runtime.errors import DSparkError, ModelInputError
+from dspark.runtime.memory_plan import plan_memory
+from dspark.runtime.version import BUNDLE_FORMAT_VERSION, __version__
+
+ROLES = ("main", "draft")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    main: Path
+    draft: Path
+    out: Path
+    tokenizer: Path | None = None
+    force: bool = False
+    kv_budget_mb: float = 512.0
+    block_size: int = 16
+    max_seq_len: int = 2048
+
+    def flags(self) -> dict:
+        return {"kv_budget_mb": self.kv_budget_mb, "block_size": self.block_size,
+                "max_seq_len": self.max_seq_len}
+
+    def model_path(self, role: str) -> Path:
+        return self.main if role == "main" else self.draft
+
+
+def _digest(contract: InputContract) -> dict:
+    """sha256 over the model file and the external data files it names."""
+    h = hashlib.sha256()
+    for path in (contract.path, *(contract.path.parent / f for f in contract.data_files)):
+        try:
+            h.update(path.read_bytes())
+        except OSError as e:
+            raise ModelInputError(f"{path}: cannot read ({e.strerror})") from None
+    return {"file": contract.path.name, "sha256": h.hexdigest()}
+
+
+def _check_vocab(paths: dict[str, Path], vocab: dict[str, int | None]) -> None:
+    if vocab["main"] and vocab["draft"] and vocab["main"] != vocab["draft"]:
+        raise ModelInputError(
+            f"{paths['draft']}: draft vocab size {vocab['draft']} != main vocab size "
+            f"{vocab['main']} ({paths['main']}); draft tokens must be main token ids"
+        )
+
+
+def check_inputs(opts: CompileOptions) -> tuple[dict[str, InputContract], Path | None]:
+    contracts = {r: check_contract(opts.model_path(r), load_header(opts.model_path(r)))
+                 for r in ROLES}
+    _check_vocab({r: c.path for r, c in contracts.items()},
+                 {r: c.vocab_size for r, c in contracts.items()})
+    tokenizer = find_tokenizer(opts.tokenizer, opts.main)
+    if tokenizer is not None:
+        tokenizer_vocab_size(tokenizer)
+    check_output(opts.out, opts.force)
+    return contracts, tokenizer
+
+
+def compile_bundle(opts: CompileOptions, progress: Progress) -> dict:
+    """Compile and publish the bundle; returns the manifest."""
+    contracts, tokenizer = check_inputs(opts)
+    with tempfile.TemporaryDirectory(prefix="dsc-") as work, staged_bundle(opts.out) as tmp:
+        specs = {r: compile_model(contracts[r], r, Path(work), tmp, progress) for r in ROLES}
+        vocab = {r: s.vocab_size for r, s in specs.items()}
+        _check_vocab({r: c.path for r, c in contracts.items()}, vocab)
+        with progress.stage("layout"):
+            plan = plan_memory([specs[r] for r in ROLES], int(opts.kv_budget_mb * 2**20),
+                               opts.block_size, opts.max_seq_len)
+            (tmp / MEMORY_PLAN_FILE).write_bytes(dump_json(plan.to_dict()))
+        with progress.stage("kernels"):
+            for rel, data in render_kernels([kernel_constants(s, plan)
+                                             for s in specs.values()]).items():
+                (tmp / "kernels" / rel).parent.mkdir(parents=True, exist_ok=True)
+                (tmp / "kernels" / rel).write_bytes(data)
+        tokenizer_files = _write_tokenizer(tokenizer, tmp, vocab["main"])
+        (tmp / CONFIG_FILE).write_bytes(dump_json(DFlashConfig().to_dict()))
+        manifest = {
+            "format_version": BUNDLE_FORMAT_VERSION,
+            "compiler": {"name": "dsc", "version": __version__},
+            "inputs": {r: _digest(contracts[r]) for r in ROLES},
+            "flags": opts.flags(),
+            "models": {r: s.to_dict() for r, s in specs.items()},
+            "tokenizer": tokenizer_files,
+            "files": list_files(tmp),
+        }
+        publish(tmp, opts.out, manifest)
+    return manifest
+
+
+def _write_tokenizer(folder: Path | None, tmp: Path, vocab: int) -> list[str]:
+    if folder is None:
+        return []
+    size = tokenizer_vocab_size(folder)
+    if size > vocab:
+        raise DSparkError(f"{folder}/tokenizer.json: {size} tokens, more than the model's "
+                          f"vocab size {vocab}")
+    return copy_tokenizer(folder, tmp / TOKENIZER_DIR)

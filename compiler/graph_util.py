@@ -1,0 +1,14 @@
+"""Small graphsurgeon helpers shared by the rewrite passes."""
+
+from __future__ import annotations
+
+import onnx_graphsurgeon as gs
+
+
+def replace_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
+    """Every consumer of `old` (and the graph outputs) reads `new` instead."""
+    for consumer in list(old.outputs):
+        for i, t in enumerate(consumer.inputs):
+            if t is old:
+                consumer.inputs[i] = new
+    graph.outputs = [new if t is old else t for t in graph.outputs]

@@ -1,0 +1,59 @@
+"""`dsc inspect`: what a bundle holds, for people (text) and for scripts (--json)."""
+
+from __future__ import annotations
+
+from dspark.runtime.bundle import Bundle
+from dspark.runtime.spec import ModelSpec
+
+
+def inspect_dict(bundle: Bundle) -> dict:
+    return {
+        "bundle": str(bundle.root),
+        "format_version": bundle.manifest["format_version"],
+        "compiler": bundle.manifest["compiler"],
+        "inputs": bundle.manifest["inputs"],
+        "flags": bundle.manifest["flags"],
+        "models": {r: _model_summary(bundle.models[r]) for r in ("main", "draft")
+                   if r in bundle.models},
+        "memory_plan": bundle.plan.to_dict(),
+        "config": bundle.config.to_dict(),
+        "kernels": sorted(f for f in bundle.manifest["files"] if f.startswith("kernels/")),
+        "tokenizer": bundle.manifest.get("tokenizer", []),
+        "files": len(bundle.manifest["files"]),
+        "bytes": sum(e["size"] for e in bundle.manifest["files"].values()),
+    }
+
+
+def _model_summary(s: ModelSpec) -> dict:
+    return {
+        "layers": s.num_layers, "heads": s.num_heads, "kv_heads": s.num_kv_heads,
+        "head_dim": s.head_dim, "vocab_size": s.vocab_size, "kv_dtype": s.kv_dtype,
+        "kv_bytes_per_token": s.kv_bytes_per_token, "inputs": list(s.inputs),
+        "segments": len(s.segments), "verify_ops": len(s.verify_ops),
+    }
+
+
+def inspect_text(bundle: Bundle) -> str:
+    d = inspect_dict(bundle)
+    plan, cfg = bundle.plan, bundle.config
+    lines = [f"bundle {d['bundle']}  (format {d['format_version']}, "
+             f"dsc {d['compiler']['version']}, {d['files']} files, {d['bytes'] / 2**20:.1f} MiB)"]
+    for role, m in d["models"].items():
+        src = d["inputs"][role]
+        lines.append(
+            f"  {role:<5} {m['layers']} layers, {m['heads']} heads / {m['kv_heads']} kv heads x "
+            f"{m['head_dim']}, vocab {m['vocab_size']}, {m['kv_dtype']}, {m['segments']} segments, "
+            f"{m['verify_ops']} SpeculativeVerify, {m['kv_bytes_per_token'] / 1024:.1f} KiB KV/token"
+            f"  <- {src['file']} sha256 {src['sha256'][:12]}"
+        )
+    lines.append(
+        f"  memory plan: {plan.layout}, block {plan.block_size} tokens, {plan.num_blocks} blocks "
+        f"({plan.capacity_tokens} tokens, {plan.total_bytes / 2**20:.1f} MiB of "
+        f"{plan.budget_bytes / 2**20:.0f} MiB budget), max_seq_len {plan.max_seq_len}, "
+        f"max {plan.max_seqs} full-length sequences"
+    )
+    lines.append(f"  config: window policy {cfg.window.policy} (initial {cfg.window.initial}, "
+                 f"max {cfg.window.max_window}), tenants {[t.name for t in cfg.tenants]}")
+    lines.append("  kernels: " + (", ".join(d["kernels"]) or "none in bundle (runtime JIT)"))
+    lines.append("  tokenizer: " + (", ".join(d["tokenizer"]) or "none (use --prompt-ids)"))
+    return "\n".join(lines)

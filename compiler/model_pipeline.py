@@ -1,0 +1,138 @@
+"""Stages 1 and 2 for one model: optimize, SpeculativeVerify rewrite, segments, weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from dspark.compiler.attention import AttentionMatch, find_attentions
+from dspark.compiler.bind import Meaning, bind_removed_inputs, classify, int_candidates
+from dspark.compiler.contract import InputContract
+from dspark.compiler.optimize import load_full, optimize
+from dspark.compiler.probe import PROBE_SHAPES, Prober
+from dspark.compiler.progress import Progress
+from dspark.compiler.segments import SegmentCut, cut_segments, segment_graph
+from dspark.compiler.verify_nodes import (LayerGeometry, detach_kv_outputs, geometry_from_probe,
+                                          insert_verify_nodes, verify_node_name)
+from dspark.compiler.weights import open_store
+from dspark.runtime.errors import UnmappableAttentionError
+from dspark.runtime.spec import LOGITS, VERIFY_DOMAIN, ModelSpec, Segment, VerifyOp
+
+_KV_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
+              onnx.TensorProto.BFLOAT16: "bfloat16"}
+
+
+def _elem(t: gs.Tensor) -> int:
+    return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype or np.float32))
+
+
+def _vocab_guess(graph: gs.Graph) -> int:
+    logits = next(t for t in graph.outputs if t.name == LOGITS)
+    dim = logits.shape[-1] if logits.shape else None
+    return dim if isinstance(dim, int) and dim > 0 else 32
+
+
+class ModelAnalysis:
+    """What the probe tells about one model: geometry per layer, meanings, vocab size."""
+
+    def __init__(self, opt_path: Path, contract: InputContract, graph: gs.Graph,
+                 matches: list[AttentionMatch]):
+        removed = set(contract.removed_inputs)
+        candidates = int_candidates(graph, removed)
+        expose = dict(candidates)
+        for m in matches:
+            expose.update({t.name: _elem(t) for t in (m.q, m.k_new, m.v_new, m.out)})
+        expose[LOGITS] = onnx.TensorProto.FLOAT
+        prober = Prober(opt_path, contract, expose, _vocab_guess(graph))
+        prober.check_causal()
+        samples = prober.run_all(sorted(expose))
+        self.vocab_size = int(samples[0][LOGITS].shape[-1])
+        self.geometry = [geometry_from_probe(contract, m, samples, PROBE_SHAPES) for m in matches]
+        self.meanings: dict[str, Meaning] = {}
+        for name in candidates:
+            meaning = classify([s[name] for s in samples], PROBE_SHAPES)
+            if meaning is not None:
+                self.meanings[name] = meaning
+
+
+def rewrite(graph: gs.Graph, contract: InputContract, role: str, progress: Progress,
+            opt_path: Path) -> tuple[list[LayerGeometry], int, list[AttentionMatch]]:
+    matches = find_attentions(graph, contract)
+    analysis = ModelAnalysis(opt_path, contract, graph, matches)
+    counts = {
+        "verify_nodes": insert_verify_nodes(graph, matches, analysis.geometry, role),
+        "kv_outputs_detached": detach_kv_outputs(graph),
+    }
+    graph.cleanup()
+    counts["inputs_bound"] = bind_removed_inputs(graph, set(contract.removed_inputs),
+                                                 analysis.meanings, role, contract.path)
+    graph.cleanup().toposort()
+    progress.say(f"{role}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
+    return analysis.geometry, analysis.vocab_size, matches
+
+
+def _uniform(geometry: list[LayerGeometry], contract: InputContract) -> LayerGeometry:
+    if len(set(geometry)) != 1:
+        raise UnmappableAttentionError(
+            f"{contract.path}: layers differ in heads/head_dim ({sorted(set(geometry))}); "
+            "the unified KV arena needs one geometry per model"
+        )
+    return geometry[0]
+
+
+def _export(graph: gs.Graph) -> onnx.ModelProto:
+    model = gs.export_onnx(graph, do_type_check=False)
+    model.producer_name, model.producer_version = "dspark", ""
+    return model
+
+
+def write_model(graph: gs.Graph, cuts: list[SegmentCut], role: str, out: Path
+                ) -> tuple[tuple[Segment, ...], str, str]:
+    """Segments and the whole graph, all pointing into one weights.bin."""
+    folder = out / role
+    folder.mkdir()
+    f, store = open_store(folder / "weights.bin")
+    segments = []
+    with f:
+        for cut in cuts:
+            rel = f"{role}/segment_{cut.index:03d}.onnx"
+            model = _export(segment_graph(graph, cut))
+            store.externalize(model)
+            onnx.save(model, str(out / rel))
+            onnx.checker.check_model(str(out / rel))
+            segments.append(Segment(cut.index, rel, tuple(t.name for t in cut.inputs),
+                                    tuple(t.name for t in cut.outputs)))
+        whole = _export(graph)
+        whole.opset_import.append(onnx.helper.make_opsetid(VERIFY_DOMAIN, 1))
+        store.externalize(whole)
+        onnx.save(whole, str(folder / "model.onnx"))
+    return tuple(segments), f"{role}/model.onnx", f"{role}/weights.bin"
+
+
+def compile_model(contract: InputContract, role: str, work: Path, out: Path,
+                  progress: Progress) -> ModelSpec:
+    with progress.stage(f"optimize {role}"):
+        opt_path = optimize(contract, work, role)
+        graph = gs.import_onnx(load_full(opt_path))
+    with progress.stage(f"verify-nodes {role}"):
+        geometry, vocab, matches = rewrite(graph, contract, role, progress, opt_path)
+        geo = _uniform(geometry, contract)
+        cuts, after = cut_segments(graph)
+        segments, graph_file, weights_file = write_model(graph, cuts, role, out)
+    nodes = {n.name: n for n in graph.nodes}
+    ops = []
+    for m in matches:
+        node = nodes[verify_node_name(role, m.layer)]
+        q, k, v = (t.name for t in node.inputs)
+        ops.append(VerifyOp(node.name, m.layer, q, k, v, node.outputs[0].name, geo.num_heads,
+                            geo.num_kv_heads, geo.head_dim, node.attrs["scale"], after[node.name]))
+    return ModelSpec(
+        role=role, num_layers=contract.num_layers, num_heads=geo.num_heads,
+        num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, vocab_size=vocab,
+        kv_dtype=_KV_DTYPES.get(contract.kv_dtype, "float32"),
+        inputs=tuple(t.name for t in graph.inputs), graph_file=graph_file,
+        weights_file=weights_file, segments=segments, verify_ops=tuple(ops),
+    )

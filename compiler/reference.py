@@ -1,0 +1,52 @@
+"""The original ONNX model run as its exporter meant: one sequence, KV cache through run().
+
+The ground truth `dsc verify` (and the lossless tests) compare the bundle against.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from dspark.compiler.contract import (ATTENTION_MASK, NUMPY_TYPES, check_contract, load_header,
+                                      past_name)
+from dspark.runtime.sessions import make_session
+from dspark.runtime.spec import INPUT_IDS, LOGITS, POSITION_IDS
+
+
+class OriginalModel:
+    def __init__(self, path: Path):
+        self.contract = check_contract(path, load_header(path))
+        self.session = make_session(path, level="all")
+        c = self.contract
+        self.present = [f"present.{i}.{k}" for i in range(c.num_layers) for k in ("key", "value")]
+
+    def empty_past(self) -> list[np.ndarray]:
+        c = self.contract
+        shape = (1, c.num_kv_heads, 0, c.head_dim)
+        return [np.zeros(shape, NUMPY_TYPES[c.kv_dtype]) for _ in range(2 * c.num_layers)]
+
+    def forward(self, ids: list[int], past: list[np.ndarray]
+                ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Logits [len(ids), vocab] and the new past, for one sequence."""
+        c = self.contract
+        cached, n = past[0].shape[2], len(ids)
+        feeds = {INPUT_IDS: np.array([ids], dtype=NUMPY_TYPES.get(c.input_ids_dtype, np.int64))}
+        if c.has_attention_mask:
+            feeds[ATTENTION_MASK] = np.ones((1, cached + n), np.int64)
+        if c.has_position_ids:
+            feeds[POSITION_IDS] = (cached + np.arange(n, dtype=np.int64))[None]
+        for i in range(c.num_layers):
+            feeds[past_name(i, "key")], feeds[past_name(i, "value")] = past[2 * i], past[2 * i + 1]
+        out = self.session.run([LOGITS, *self.present], feeds)
+        return out[0][0], out[1:]
+
+    def greedy(self, prompt: list[int], max_new: int) -> list[int]:
+        """The model's own greedy loop: prefill, then one token per step."""
+        logits, past = self.forward(prompt, self.empty_past())
+        tokens = [int(np.argmax(logits[-1]))]
+        while len(tokens) < max_new:
+            logits, past = self.forward(tokens[-1:], past)
+            tokens.append(int(np.argmax(logits[-1])))
+        return tokens

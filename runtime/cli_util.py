@@ -1,0 +1,39 @@
+"""Running a click CLI so users see one clear line, never a traceback.
+
+Usage errors and DSparkError exit 2 with `prog: error: ...`; an interrupt exits 130; anything
+unexpected is an internal error (exit 1), with the traceback only under DSPARK_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import click
+
+from dspark.runtime.env import read_env
+from dspark.runtime.errors import DSparkError
+
+
+def fail(prog: str, message: str, code: int) -> None:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def run_cli(command: click.Command, prog: str, args: list[str] | None = None) -> None:
+    try:
+        result = command.main(args=args, prog_name=prog, standalone_mode=False)
+    except click.exceptions.Abort:
+        fail(prog, "aborted", 130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except DSparkError as e:
+        fail(prog, str(e), e.exit_code)
+    except KeyboardInterrupt:
+        fail(prog, "interrupted", 130)
+    except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
+        if read_env().debug:
+            traceback.print_exc()
+        fail(prog, f"internal error: {type(e).__name__}: {e} (DSPARK_DEBUG=1 for details)", 1)
+    sys.exit(result if isinstance(result, int) else 0)

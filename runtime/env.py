@@ -1,0 +1,33 @@
+"""The one module that reads the process environment.
+
+Every other module receives these values as arguments; nothing else calls os.environ.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from dspark.runtime.errors import DSparkError
+
+
+@dataclass(frozen=True)
+class RuntimeEnv:
+    threads: int  # intra-op threads for the shared onnxruntime pool
+    cache_dir: str  # where samples and fixtures cache build outputs
+    debug: bool  # show tracebacks of internal errors
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise DSparkError(f"DSPARK_THREADS must be >= 1, got {self.threads}")
+
+
+def read_env() -> RuntimeEnv:
+    raw = os.environ.get("DSPARK_THREADS", "")
+    try:
+        threads = int(raw) if raw else (os.cpu_count() or 1)
+    except ValueError:
+        raise DSparkError(f"DSPARK_THREADS must be an integer, got {raw!r}") from None
+    cache_dir = os.environ.get("DSPARK_CACHE", os.path.join(os.getcwd(), "build"))
+    debug = os.environ.get("DSPARK_DEBUG", "") not in ("", "0")
+    return RuntimeEnv(threads=threads, cache_dir=cache_dir, debug=debug)

@@ -1,0 +1,21 @@
+"""Errors a user can act on. The CLIs print their message and exit 2; nothing else is shown."""
+
+from __future__ import annotations
+
+
+class DSparkError(Exception):
+    """A clear, one-line problem with the user's input (file, flag, config, request)."""
+
+    exit_code = 2
+
+
+class BundleError(DSparkError):
+    """A bundle is missing, tampered, truncated or of another format version."""
+
+
+class ModelInputError(DSparkError):
+    """An input ONNX model does not meet the compiler's contract."""
+
+
+class UnmappableAttentionError(ModelInputError):
+    """An attention subgraph the compiler cannot turn into SpeculativeVerify."""

@@ -1,0 +1,56 @@
+"""onnxruntime session creation with one process-wide thread pool.
+
+Many sessions take turns (31 segments per model, main and draft): with a pool per session
+the idle pools spin and steal the cores, which measured 20x slower than one shared pool
+(shared/FACTS.md). So every session here uses the global pool, created once per process
+before the first session, and torch, which runs the attention between segments, stays at
+one thread. If something else created onnxruntime's environment first, sessions fall back to
+their own pools with spinning off (the next best setting measured).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import onnxruntime as ort
+
+from dspark.runtime.env import read_env
+
+_LEVELS = {
+    "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+@functools.cache
+def init_threads() -> bool:
+    """Create the global onnxruntime pool once; False if it could not be created."""
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        ort.set_global_thread_pool_sizes(read_env().threads, 1)
+    except Exception:  # noqa: BLE001 - environment already created elsewhere in this process
+        return False
+    return True
+
+
+def make_session(path: str | Path, level: str = "all", optimized_path: Path | None = None,
+                 config: dict[str, str] | None = None) -> ort.InferenceSession:
+    """A CPU session on the shared pool (`level`: none, basic or all graph optimization)."""
+    shared = init_threads()
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = _LEVELS[level]
+    if shared:
+        so.use_per_session_threads = False
+    else:
+        so.intra_op_num_threads = read_env().threads
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if optimized_path is not None:
+        so.optimized_model_filepath = str(optimized_path)
+    for key, value in (config or {}).items():
+        so.add_session_config_entry(key, value)
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
