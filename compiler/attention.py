@@ -121,7 +121,7 @@ def _split_present(tensors: dict, contract: InputContract, layer: int, kind: str
 
 
 def _native_cache_attention(node: gs.Node, contract: InputContract, layer: int) -> AttentionMatch:
-    """Attention(q, k_new, v_new, mask, past_key, past_value) -> (out, present_key, present_value)."""
+    """Attention(q, k_new, v_new, mask, past_key, past_value) -> (out, present k, present v)."""
     fail = lambda why: _unmappable(contract, layer, why)  # noqa: E731
     if len(node.inputs) < 6 or not _from_past(node.inputs[4], past_name(layer, "key")):
         raise fail(f"Attention node '{node.name}' does not read past_key_values.{layer}.key")

@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from dspark.runtime.bundle import MANIFEST_FILE, dump_json, file_entry
 from dspark.runtime.errors import DSparkError
@@ -32,7 +32,12 @@ def check_output(out: Path, force: bool) -> None:
 @contextmanager
 def staged_bundle(out: Path) -> Iterator[Path]:
     """Yields a temp dir beside `out`; removed on any failure, interrupt included."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.absolute().parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp",
+                                    dir=out.absolute().parent))
+    except OSError as e:
+        parent = out.absolute().parent
+        raise DSparkError(f"{out}: cannot write to {parent} ({e.strerror})") from None
     try:
         yield tmp
     except BaseException:

@@ -43,7 +43,8 @@ def inspect_text(bundle: Bundle) -> str:
         lines.append(
             f"  {role:<5} {m['layers']} layers, {m['heads']} heads / {m['kv_heads']} kv heads x "
             f"{m['head_dim']}, vocab {m['vocab_size']}, {m['kv_dtype']}, {m['segments']} segments, "
-            f"{m['verify_ops']} SpeculativeVerify, {m['kv_bytes_per_token'] / 1024:.1f} KiB KV/token"
+            f"{m['verify_ops']} SpeculativeVerify, "
+            f"{m['kv_bytes_per_token'] / 1024:.1f} KiB KV/token"
             f"  <- {src['file']} sha256 {src['sha256'][:12]}"
         )
     lines.append(

@@ -15,8 +15,13 @@ from dspark.compiler.optimize import load_full, optimize
 from dspark.compiler.probe import PROBE_SHAPES, Prober
 from dspark.compiler.progress import Progress
 from dspark.compiler.segments import SegmentCut, cut_segments, segment_graph
-from dspark.compiler.verify_nodes import (LayerGeometry, detach_kv_outputs, geometry_from_probe,
-                                          insert_verify_nodes, verify_node_name)
+from dspark.compiler.verify_nodes import (
+    LayerGeometry,
+    detach_kv_outputs,
+    geometry_from_probe,
+    insert_verify_nodes,
+    verify_node_name,
+)
 from dspark.compiler.weights import open_store
 from dspark.runtime.errors import UnmappableAttentionError
 from dspark.runtime.spec import LOGITS, VERIFY_DOMAIN, ModelSpec, Segment, VerifyOp

@@ -20,7 +20,6 @@ from dspark.runtime.sessions import make_session
 from dspark.runtime.spec import INPUT_IDS, LOGITS, POSITION_IDS
 
 
-
 @dataclass(frozen=True)
 class ProbeShape:
     batch: int

@@ -9,8 +9,13 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark.compiler.contract import (ATTENTION_MASK, NUMPY_TYPES, check_contract, load_header,
-                                      past_name)
+from dspark.compiler.contract import (
+    ATTENTION_MASK,
+    NUMPY_TYPES,
+    check_contract,
+    load_header,
+    past_name,
+)
 from dspark.runtime.sessions import make_session
 from dspark.runtime.spec import INPUT_IDS, LOGITS, POSITION_IDS
 

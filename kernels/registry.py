@@ -5,6 +5,6 @@ The DSpark Triton kernels register here; the compiler's kernel stage calls every
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 RENDERERS: dict[str, Callable[[list], dict[str, bytes]]] = {}

@@ -24,7 +24,7 @@ def run_cli(command: click.Command, prog: str, args: list[str] | None = None) ->
     try:
         result = command.main(args=args, prog_name=prog, standalone_mode=False)
     except click.exceptions.Abort:
-        fail(prog, "aborted", 130)
+        fail(prog, "interrupted", 130)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)

@@ -47,13 +47,16 @@ class WindowConfig:
     recover_clean_rounds: int = 5
 
     def validate(self, path: str) -> None:
-        _check(self.policy in WINDOW_POLICIES, f"{path}.policy", f"must be one of {WINDOW_POLICIES}")
+        _check(self.policy in WINDOW_POLICIES, f"{path}.policy",
+               f"must be one of {WINDOW_POLICIES}")
         _check(1 <= self.min_window <= self.max_window <= 64, f"{path}.max_window",
                "need 1 <= min_window <= max_window <= 64")
         _check(self.min_window <= self.initial <= self.max_window, f"{path}.initial",
                "must lie in [min_window, max_window]")
-        _check(0 < self.plnp_low < self.plnp_high, f"{path}.plnp_high", "need 0 < plnp_low < plnp_high")
-        _check(0 < self.degrade_reject_rate < 1, f"{path}.degrade_reject_rate", "must lie in (0, 1)")
+        _check(0 < self.plnp_low < self.plnp_high, f"{path}.plnp_high",
+               "need 0 < plnp_low < plnp_high")
+        _check(0 < self.degrade_reject_rate < 1, f"{path}.degrade_reject_rate",
+               "must lie in (0, 1)")
         _check(self.reject_ewma_rounds >= 1, f"{path}.reject_ewma_rounds", "must be >= 1")
 
 
@@ -156,7 +159,8 @@ class DFlashConfig:
 
 
 def _build(cls: type, data: object, path: str) -> object:
-    _check(isinstance(data, dict), path or "<root>", f"expected an object, got {type(data).__name__}")
+    _check(isinstance(data, dict), path or "<root>",
+           f"expected an object, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
@@ -175,7 +179,8 @@ def _value(tp: object, v: object, path: str) -> object:
     if tp is bool:
         _check(isinstance(v, bool), path, f"expected true/false, got {v!r}")
     elif tp is int:
-        _check(isinstance(v, int) and not isinstance(v, bool), path, f"expected an integer, got {v!r}")
+        _check(isinstance(v, int) and not isinstance(v, bool), path,
+               f"expected an integer, got {v!r}")
     elif tp is float:
         _check(isinstance(v, (int, float)) and not isinstance(v, bool), path,
                f"expected a number, got {v!r}")

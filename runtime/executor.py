@@ -43,9 +43,10 @@ class SegmentedModel:
 
     def forward(self, batch: FlatBatch) -> np.ndarray:
         """Logits [T, vocab] for every token of the flattened batch."""
+        types = self.input_types
         env: dict[str, np.ndarray] = {
-            INPUT_IDS: batch.token_ids[None].astype(self.input_types.get(INPUT_IDS, np.int64)),
-            POSITION_IDS: batch.positions[None].astype(self.input_types.get(POSITION_IDS, np.int64)),
+            INPUT_IDS: batch.token_ids[None].astype(types.get(INPUT_IDS, np.int64)),
+            POSITION_IDS: batch.positions[None].astype(types.get(POSITION_IDS, np.int64)),
         }
         for seg, sess in zip(self.spec.segments, self.sessions):
             outs = sess.run(list(seg.outputs), {n: env[n] for n in seg.inputs})

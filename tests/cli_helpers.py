@@ -1,0 +1,25 @@
+"""Run the CLIs in-process exactly as their console scripts do, capturing exit code and output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from dspark.compiler.cli import cli
+from dspark.runtime.cli_util import run_cli
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+
+def run_dsc(capsys: pytest.CaptureFixture, *args: str) -> Result:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        run_cli(cli, "dsc", [str(a) for a in args])
+    captured = capsys.readouterr()
+    return Result(int(exc.value.code or 0), captured.out, captured.err)

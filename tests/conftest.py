@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny exported model pairs, their compiled bundles, the SmolLM2 sample."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from dspark.runtime.sessions import init_threads
+
+init_threads()  # the shared onnxruntime pool must exist before the first session
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILD = ROOT / "build"
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "samples"))
+
+from dspark.compiler.compile import CompileOptions, compile_bundle  # noqa: E402
+from dspark.compiler.progress import Progress  # noqa: E402
+
+from model_fixtures import build_fixtures  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def fixture_pairs() -> dict[tuple[str, str], tuple[Path, Path]]:
+    return build_fixtures(BUILD)
+
+
+@pytest.fixture(scope="session")
+def compiled(fixture_pairs, tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """Every fixture pair compiled with default flags."""
+    root = tmp_path_factory.mktemp("bundles")
+    out = {}
+    for (arch, form), (main, draft) in fixture_pairs.items():
+        path = root / f"{arch}-{form}.dsmodel"
+        compile_bundle(CompileOptions(main, draft, path), Progress(quiet=True))
+        out[(arch, form)] = path
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_pair() -> Path:
+    """The README's sample: SmolLM2-135M-Instruct fp32 main + int4 draft (cached in build/)."""
+    import smollm2
+
+    out = BUILD / "smollm2"
+    smollm2.build(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_bundle(smollm2_pair, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("smollm2") / "smollm2.dsmodel"
+    compile_bundle(CompileOptions(smollm2_pair / "main.onnx", smollm2_pair / "draft.onnx", path),
+                   Progress(quiet=True))
+    return path

@@ -1,0 +1,97 @@
+"""The bundle reader refuses what it cannot trust; config and memory plan validate."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from dspark.runtime.bundle import open_bundle
+from dspark.runtime.config import ConfigError, DFlashConfig, config_from_dict
+from dspark.runtime.errors import BundleError, DSparkError
+from dspark.runtime.memory_plan import MemoryPlan, plan_memory
+
+
+@pytest.fixture
+def bundle_copy(compiled, tmp_path):
+    dst = tmp_path / "copy.dsmodel"
+    shutil.copytree(compiled[("llama", "classic")], dst)
+    return dst
+
+
+def test_tampered_weights_are_named(bundle_copy):
+    weights = bundle_copy / "main" / "weights.bin"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=r"main/weights.bin: sha256 does not match"):
+        open_bundle(bundle_copy)
+
+
+def test_truncated_and_missing_files_are_named(bundle_copy):
+    seg = bundle_copy / "draft" / "segment_001.onnx"
+    seg.write_bytes(seg.read_bytes()[:-10])
+    with pytest.raises(BundleError, match=r"draft/segment_001.onnx: size .* \(truncated\?\)"):
+        open_bundle(bundle_copy)
+    seg.unlink()
+    with pytest.raises(BundleError, match=r"segment_001.onnx: missing from bundle"):
+        open_bundle(bundle_copy)
+
+
+def test_format_version_and_manifest_checked(bundle_copy):
+    manifest = bundle_copy / "manifest.json"
+    data = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**data, "format_version": 99}))
+    with pytest.raises(BundleError, match="format version 99"):
+        open_bundle(bundle_copy)
+    manifest.write_text("{")
+    with pytest.raises(BundleError, match="unreadable manifest"):
+        open_bundle(bundle_copy)
+    manifest.unlink()
+    with pytest.raises(BundleError, match="not a .dsmodel bundle"):
+        open_bundle(bundle_copy)
+
+
+def test_config_is_mutable_but_validated(bundle_copy):
+    path = bundle_copy / "dflash_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["window"]["initial"] = 6
+    path.write_text(json.dumps(cfg))
+    assert open_bundle(bundle_copy).config.window.initial == 6  # edits pass the hash check
+    cfg["window"]["initial"] = 60
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"dflash_config.json: window.initial: must lie in"):
+        open_bundle(bundle_copy)
+
+
+def test_config_defaults_round_trip_and_errors_name_the_field():
+    cfg = DFlashConfig()
+    assert config_from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert cfg.window.policy == "dflash" and cfg.cache_health.kdr_min == 0.75
+    cases = [
+        ({"window": {"polcy": "fixed"}}, "window.polcy: unknown field"),
+        ({"window": {"max_window": "8"}}, "window.max_window: expected an integer"),
+        ({"verify_balance": {"low_utilisation": 0.9}}, "verify_balance.high_utilisation"),
+        ({"tenants": [{"name": "a"}, {"name": "a"}]}, "tenant names must be unique"),
+        ({"resources": {"table": [{"match": "cpu", "window": 0}]}}, r"resources.table\[0\].window"),
+        ({"cache_health": {"zero_rejected_slots": 1}}, "expected true/false"),
+    ]
+    for data, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            config_from_dict(data)
+
+
+def test_memory_plan_arithmetic(compiled):
+    bundle = open_bundle(compiled[("gpt2", "classic")])
+    main, draft = bundle.model("main"), bundle.model("draft")
+    assert main.kv_bytes_per_token == 2 * 3 * 4 * 16 * 4
+    plan = plan_memory([main, draft], 1 << 20, 16, 100)
+    assert plan.bytes_per_block == 16 * (main.kv_bytes_per_token + draft.kv_bytes_per_token)
+    assert plan.num_blocks == (1 << 20) // plan.bytes_per_block
+    assert plan.total_bytes <= 1 << 20
+    assert plan.pool("draft").offset == plan.pool("main").nbytes
+    assert plan.max_seqs == plan.num_blocks // 7
+    assert MemoryPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    with pytest.raises(DSparkError, match="--block-size must be one of"):
+        plan_memory([main], 1 << 20, 24, 100)
