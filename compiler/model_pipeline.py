@@ -15,6 +15,7 @@ from dspark.compiler.optimize import load_full, optimize
 from dspark.compiler.probe import PROBE_SHAPES, Prober
 from dspark.compiler.progress import Progress
 from dspark.compiler.segments import SegmentCut, cut_segments, segment_graph
+from dspark.compiler.select_logits import select_logits_rows
 from dspark.compiler.verify_nodes import (
     LayerGeometry,
     detach_kv_outputs,
@@ -75,6 +76,8 @@ def rewrite(graph: gs.Graph, contract: InputContract, role: str, progress: Progr
     counts["inputs_bound"] = bind_removed_inputs(graph, set(contract.removed_inputs),
                                                  analysis.meanings, role, contract.path)
     graph.cleanup().toposort()
+    counts["logits_rows_selected"] = select_logits_rows(graph)
+    graph.toposort()
     progress.say(f"{role}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
     return analysis.geometry, analysis.vocab_size, matches
 

@@ -1,20 +1,143 @@
-"""dsrun (serve, generate, bench) and ds-tokenizer-check; they land with their issues."""
+"""dsrun: serve a bundle, generate from it, benchmark it; and ds-tokenizer-check."""
 
 from __future__ import annotations
 
+import json
 import sys
+import time
+from pathlib import Path
 
-from dspark.runtime.cli_util import fail
+import click
+
+from dspark.runtime.cli_util import fail, run_cli
+from dspark.runtime.errors import DSparkError
+from dspark.runtime.request import GenerationRequest, Sequence
+from dspark.runtime.sampling import SamplingParams
+from dspark.runtime.version import __version__
+
+PathArg = click.Path(path_type=Path)
+SERVE_PENDING = "serving is not yet implemented (lands with the serving issue); use dsrun generate"
+
+
+@click.group(invoke_without_command=True,
+             help="DSpark runtime: `dsrun --model B` serves; generate and bench run locally.")
+@click.option("--model", type=PathArg, help="bundle to serve")
+@click.version_option(__version__, prog_name="dsrun")
+@click.pass_context
+def cli(ctx: click.Context, model: Path | None) -> None:
+    if ctx.invoked_subcommand is None:
+        if model is None:
+            raise click.UsageError("give --model BUNDLE to serve, or a command (generate, bench)")
+        raise DSparkError(SERVE_PENDING)
+
+
+def _prompt_ids(tokenizer, prompt: str | None, prompt_ids: str | None, chat: str | None
+                ) -> list[int]:
+    given = [x for x in (prompt, prompt_ids, chat) if x is not None]
+    if len(given) != 1:
+        raise click.UsageError("give exactly one of --prompt, --prompt-ids, --chat")
+    if prompt_ids is not None:
+        try:
+            return [int(t) for t in prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise click.BadParameter("comma-separated integers expected",
+                                     param_hint="--prompt-ids") from None
+    if tokenizer is None:
+        raise DSparkError("the bundle has no tokenizer: use --prompt-ids")
+    if chat is not None:
+        return tokenizer.encode_chat([{"role": "user", "content": chat}])
+    return tokenizer.encode(prompt)
+
+
+def result_dict(seq: Sequence, tokenizer, elapsed: float) -> dict:
+    text = tokenizer.decode(seq.generated) if tokenizer else None
+    if text is not None and seq.text_end is not None:
+        text = text[: seq.text_end]
+    s = seq.stats
+    return {
+        "token_ids": seq.generated, "text": text, "finish_reason": seq.finish_reason,
+        "stats": {
+            "rounds": s.rounds, "draft_tokens": s.draft_tokens,
+            "accepted_tokens": s.accepted_tokens,
+            "mean_accepted_per_round": round(s.mean_accepted_per_round, 4),
+            "tokens_per_s": round(len(seq.generated) / elapsed, 3) if elapsed > 0 else None,
+            "ttft_ms": round(seq.ttft_s * 1000, 2) if seq.ttft_s is not None else None,
+        },
+    }
+
+
+@cli.command()
+@click.option("--model", type=PathArg, required=True, help="the .dsmodel bundle")
+@click.option("--prompt", help="prompt text")
+@click.option("--prompt-ids", help="prompt token ids, comma-separated")
+@click.option("--chat", help="a user message, wrapped in the bundle's chat template")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--temperature", type=click.FloatRange(0, 100), default=0.0, show_default=True)
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0)
+@click.option("--top-k", type=click.IntRange(min=0), default=0)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="stop string (repeatable)")
+@click.option("--window", type=click.IntRange(min=1), help="draft window (default: config)")
+@click.option("--no-speculative", is_flag=True, help="plain decoding with the main model")
+@click.option("--json", "as_json", is_flag=True)
+def generate(model: Path, prompt, prompt_ids, chat, max_tokens: int, temperature: float,
+             top_p: float, top_k: int, seed, stop, window, no_speculative: bool,
+             as_json: bool) -> None:
+    """Generate one completion from a bundle."""
+    from dspark.runtime.loader import load_engine
+
+    engine, tokenizer = load_engine(model, window)
+    ids = _prompt_ids(tokenizer, prompt, prompt_ids, chat)
+    request = GenerationRequest(tuple(ids), max_tokens, SamplingParams(temperature, top_p, top_k,
+                                                                       seed),
+                                tuple(stop), speculative=not no_speculative)
+    t0 = time.perf_counter()
+    [seq] = engine.generate([request])
+    out = result_dict(seq, tokenizer, time.perf_counter() - t0)
+    if as_json:
+        click.echo(json.dumps(out))
+        return
+    click.echo(out["text"] if out["text"] is not None else ",".join(map(str, seq.generated)))
+    st = out["stats"]
+    click.echo(f"[dsrun] {len(seq.generated)} tokens, {st['tokens_per_s']} tok/s, "
+               f"TTFT {st['ttft_ms']} ms, finish {seq.finish_reason}, {st['rounds']} rounds, "
+               f"accepted {st['accepted_tokens']}/{st['draft_tokens']} drafts "
+               f"({st['mean_accepted_per_round']:.2f} per round)", err=True)
+
+
+@cli.command()
+@click.option("--model", type=PathArg, required=True)
+@click.option("--prompts", type=PathArg, help="JSONL prompts (default: the shipped set)")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=96, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--window", type=click.IntRange(min=1), help="draft window (default: config)")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--plot", type=PathArg, help="write acceptance and tokens/s per prompt (PNG)")
+def bench(model: Path, prompts, max_tokens: int, repeats: int, window, as_json: bool,
+          plot) -> None:
+    """Speculative vs plain decoding on the same prompts, interleaved, in one process."""
+    from dspark.runtime.bench import format_report, load_prompts, plot_report, run_bench
+    from dspark.runtime.loader import load_engine
+
+    engine, tokenizer = load_engine(model, window)
+    report = run_bench(engine, tokenizer, load_prompts(prompts), max_tokens, repeats)
+    click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+    if plot:
+        plot_report(report, plot)
+
+
+@cli.command()
+@click.option("--model", type=PathArg, required=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
+def serve(model: Path, host: str, port: int) -> None:
+    """Serve the OpenAI-compatible API."""
+    raise DSparkError(SERVE_PENDING)
 
 
 def main() -> None:
-    fail("dsrun", "not yet implemented (serving and generation land with the runtime issue)", 2)
+    run_cli(cli, "dsrun", sys.argv[1:])
 
 
 def tokenizer_check() -> None:
     fail("ds-tokenizer-check", "not yet implemented (lands with the tokenizer alignment issue)", 2)
-
-
-if __name__ == "__main__":
-    main()
-    sys.exit(2)

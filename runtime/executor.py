@@ -18,7 +18,7 @@ import numpy as np
 from dspark.runtime.batch import FlatBatch
 from dspark.runtime.bundle import Bundle
 from dspark.runtime.sessions import make_session
-from dspark.runtime.spec import INPUT_IDS, LOGITS, POSITION_IDS, VerifyOp
+from dspark.runtime.spec import INPUT_IDS, LOGITS, LOGITS_INDEX, POSITION_IDS, VerifyOp
 
 _ORT_INT = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
 
@@ -41,16 +41,21 @@ class SegmentedModel:
             if i.name in (INPUT_IDS, POSITION_IDS)
         }
 
-    def forward(self, batch: FlatBatch) -> np.ndarray:
-        """Logits [T, vocab] for every token of the flattened batch."""
+    def forward(self, batch: FlatBatch, rows: np.ndarray | None = None) -> np.ndarray:
+        """Logits [len(rows), vocab] for the chosen token rows of the flattened batch
+        (default: every row). Bundles whose graph takes `logits_index` compute only those."""
         types = self.input_types
         env: dict[str, np.ndarray] = {
             INPUT_IDS: batch.token_ids[None].astype(types.get(INPUT_IDS, np.int64)),
             POSITION_IDS: batch.positions[None].astype(types.get(POSITION_IDS, np.int64)),
         }
+        selects = LOGITS_INDEX in self.spec.inputs
+        if selects:
+            env[LOGITS_INDEX] = np.arange(batch.num_tokens) if rows is None else rows
         for seg, sess in zip(self.spec.segments, self.sessions):
             outs = sess.run(list(seg.outputs), {n: env[n] for n in seg.inputs})
             env.update(zip(seg.outputs, outs))
             for op in self.ops_after[seg.index]:
                 env[op.out] = self.attention(op, env[op.q], env[op.k], env[op.v], batch)
-        return env[LOGITS][0]
+        logits = env[LOGITS][0]
+        return logits if rows is None or selects else logits[rows]

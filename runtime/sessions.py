@@ -4,8 +4,10 @@ Many sessions take turns (31 segments per model, main and draft): with a pool pe
 the idle pools spin and steal the cores, which measured 20x slower than one shared pool
 (shared/FACTS.md). So every session here uses the global pool, created once per process
 before the first session, and torch, which runs the attention between segments, stays at
-one thread. If something else created onnxruntime's environment first, sessions fall back to
-their own pools with spinning off (the next best setting measured).
+one thread, and so does numpy's BLAS (the CPU attention's small matmuls): a multi-threaded
+OpenBLAS spins against onnxruntime's pool and made a 100-token prefill 3x slower. If
+something else created onnxruntime's environment first, sessions fall back to their own pools
+with spinning off (the next best setting measured).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ _LEVELS = {
 def init_threads() -> bool:
     """Create the global onnxruntime pool once; False if it could not be created."""
     import torch
+    from threadpoolctl import threadpool_limits
 
     torch.set_num_threads(1)
+    threadpool_limits(limits=1, user_api="blas")
     try:
         ort.set_global_thread_pool_sizes(read_env().threads, 1)
     except Exception:  # noqa: BLE001 - environment already created elsewhere in this process

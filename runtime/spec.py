@@ -14,6 +14,7 @@ VERIFY_OP = "SpeculativeVerify"
 INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
 LOGITS = "logits"
+LOGITS_INDEX = "logits_index"
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -57,7 +58,7 @@ class ModelSpec:
     head_dim: int
     vocab_size: int
     kv_dtype: str
-    inputs: tuple[str, ...]  # of the rewritten graph: input_ids and, if used, position_ids
+    inputs: tuple[str, ...]  # input_ids and, if used, position_ids and logits_index
     graph_file: str  # the whole rewritten graph (SpeculativeVerify nodes inside)
     weights_file: str  # shared external data of graph_file and every segment
     segments: tuple[Segment, ...]

@@ -23,3 +23,13 @@ def run_dsc(capsys: pytest.CaptureFixture, *args: str) -> Result:
         run_cli(cli, "dsc", [str(a) for a in args])
     captured = capsys.readouterr()
     return Result(int(exc.value.code or 0), captured.out, captured.err)
+
+
+def run_dsrun(capsys: pytest.CaptureFixture, *args: str) -> Result:
+    from dspark.runtime.cli import cli as dsrun_cli
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        run_cli(dsrun_cli, "dsrun", [str(a) for a in args])
+    captured = capsys.readouterr()
+    return Result(int(exc.value.code or 0), captured.out, captured.err)

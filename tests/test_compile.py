@@ -31,7 +31,7 @@ def test_bundle_structure(compiled, pair):
         assert [op.layer for op in spec.verify_ops] == list(range(layers))
         assert [op.after_segment for op in spec.verify_ops] == list(range(layers))
         assert all(op.scale == pytest.approx(0.25) for op in spec.verify_ops)
-        assert set(spec.inputs) == {"input_ids", "position_ids"}
+        assert set(spec.inputs) == {"input_ids", "position_ids", "logits_index"}
         for seg in spec.segments:
             assert not any(n.startswith(("past_key_values", "attention_mask")) for n in seg.inputs)
             assert not any(n.startswith("present.") for n in seg.outputs)

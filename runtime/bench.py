@@ -1,0 +1,167 @@
+"""`dsrun bench`: speculative against plain decoding, same prompts, interleaved, one process.
+
+For each prompt class it reports tokens/s per mode (median of repeats), the speed-up, the
+acceptance rate, alpha (solved from mean tokens per round: E = (1 - a^(w+1)) / (1 - a)),
+the draft/main cost ratio c (one draft forward over one plain main decode forward), the
+Leviathan bound (1 - a^(w+1)) / ((1 - a)(w c + 1)) and measured/bound.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from importlib import resources
+from pathlib import Path
+
+from dspark.runtime.engine import Engine
+from dspark.runtime.errors import DSparkError
+from dspark.runtime.request import GenerationRequest
+
+
+def load_prompts(path: Path | None) -> list[dict]:
+    text = (path.read_text() if path else
+            resources.files("dspark.runtime").joinpath("bench_prompts.jsonl").read_text())
+    prompts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            p = json.loads(line)
+        except ValueError as e:
+            raise DSparkError(f"{path}:{n}: not JSON ({e})") from None
+        if not isinstance(p, dict) or not ({"prompt", "chat", "prompt_ids"} & set(p)):
+            raise DSparkError(f"{path}:{n}: needs a 'prompt', 'chat' or 'prompt_ids' field")
+        prompts.append({"name": p.get("name", f"p{n}"), "class": p.get("class", "default"), **p})
+    if not prompts:
+        raise DSparkError(f"{path}: no prompts")
+    return prompts
+
+
+def _ids(tokenizer, p: dict) -> list[int]:
+    if "prompt_ids" in p:
+        return list(p["prompt_ids"])
+    if tokenizer is None:
+        raise DSparkError("the bundle has no tokenizer: prompts need 'prompt_ids'")
+    if "chat" in p:
+        return tokenizer.encode_chat([{"role": "user", "content": p["chat"]}])
+    return tokenizer.encode(p["prompt"])
+
+
+def solve_alpha(tokens_per_round: float, w: int) -> float:
+    """a with (1 - a^(w+1)) / (1 - a) == tokens_per_round (bisection)."""
+    lo, hi = 0.0, 1.0 - 1e-9
+    for _ in range(60):
+        a = (lo + hi) / 2
+        if (1 - a ** (w + 1)) / (1 - a) < tokens_per_round:
+            lo = a
+        else:
+            hi = a
+    return (lo + hi) / 2
+
+
+def leviathan_bound(alpha: float, w: int, c: float) -> float:
+    return (1 - alpha ** (w + 1)) / ((1 - alpha) * (w * c + 1))
+
+
+def _one(engine: Engine, ids: list[int], max_tokens: int, spec: bool) -> dict:
+    before = (engine.main.busy_s, engine.main.forwards, engine.draft.busy_s, engine.draft.forwards)
+    t0 = time.perf_counter()
+    [seq] = engine.generate([GenerationRequest(tuple(ids), max_tokens, speculative=spec)])
+    elapsed = time.perf_counter() - t0
+    after = (engine.main.busy_s, engine.main.forwards, engine.draft.busy_s, engine.draft.forwards)
+    d = [b - a for a, b in zip(before, after)]
+    return {"tokens": seq.generated, "seconds": elapsed, "tps": len(seq.generated) / elapsed,
+            "rounds": seq.stats.rounds, "drafted": seq.stats.draft_tokens,
+            "accepted": seq.stats.accepted_tokens, "main_s": d[0], "main_forwards": d[1],
+            "draft_s": d[2], "draft_forwards": d[3]}
+
+
+def run_bench(engine: Engine, tokenizer, prompts: list[dict], max_tokens: int,
+              repeats: int) -> dict:
+    w = getattr(engine.policy, "size", engine.config.window.initial)
+    ids = {p["name"]: _ids(tokenizer, p) for p in prompts}
+    first = next(iter(ids.values()))
+    _one(engine, first, 8, True)  # warm-up: sessions' first runs, allocations
+    _one(engine, first, 8, False)
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for r in range(repeats):
+        for p in prompts:
+            for mode in (("plain", "spec") if r % 2 == 0 else ("spec", "plain")):
+                runs.setdefault((p["name"], mode), []).append(
+                    _one(engine, ids[p["name"]], max_tokens, mode == "spec"))
+    per_prompt = [_summarise([runs[(p["name"], m)] for m in ("plain", "spec")], w,
+                             name=p["name"], cls=p["class"]) for p in prompts]
+    classes = sorted({p["class"] for p in prompts})
+    per_class = [_summarise([[x for p in prompts if p["class"] == c for x in runs[(p["name"], m)]]
+                             for m in ("plain", "spec")], w, name=c, cls=c) for c in classes]
+    return {"window": w, "max_tokens": max_tokens, "repeats": repeats,
+            "prompts": per_prompt, "classes": per_class}
+
+
+def _summarise(modes: list[list[dict]], w: int, name: str, cls: str) -> dict:
+    plain, spec = modes
+    rounds = sum(x["rounds"] for x in spec)
+    drafted, accepted = sum(x["drafted"] for x in spec), sum(x["accepted"] for x in spec)
+    per_round = (accepted + rounds) / rounds if rounds else 1.0
+    alpha = solve_alpha(per_round, w) if w else 0.0
+    main_step = sum(x["main_s"] for x in plain) / max(1, sum(x["main_forwards"] for x in plain))
+    draft_step = sum(x["draft_s"] for x in spec) / max(1, sum(x["draft_forwards"] for x in spec))
+    verify_step = sum(x["main_s"] for x in spec) / max(1, sum(x["main_forwards"] for x in spec))
+    c = draft_step / main_step if main_step else 0.0
+    tps = {m: statistics.median(x["tps"] for x in runs)
+           for m, runs in zip(("plain", "spec"), modes)}
+    speedup = tps["spec"] / tps["plain"]
+    bound = leviathan_bound(alpha, w, c) if w else 1.0
+    return {
+        "name": name, "class": cls, "tps_plain": tps["plain"], "tps_spec": tps["spec"],
+        "speedup": speedup, "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "alpha": alpha, "mean_accepted_per_round": accepted / rounds if rounds else 0.0,
+        "c": c, "verify_over_decode": verify_step / main_step if main_step else 0.0,
+        "bound": bound, "measured_over_bound": speedup / bound,
+        "identical": all(a["tokens"] == b["tokens"] for a, b in zip(plain, spec)),
+    }
+
+
+def format_report(report: dict) -> str:
+    head = (f"{'prompt':<12}{'class':<6}{'plain t/s':>10}{'spec t/s':>10}{'speedup':>9}"
+            f"{'accept':>8}{'alpha':>7}{'acc/rnd':>8}{'c':>6}{'verify/dec':>11}{'bound':>7}"
+            f"{'meas/bound':>11}  same")
+    lines = [f"window {report['window']}, {report['max_tokens']} tokens, median of "
+             f"{report['repeats']} interleaved runs", head]
+    for row in report["prompts"] + [None] + report["classes"]:
+        if row is None:
+            lines.append("-" * len(head))
+            continue
+        lines.append(
+            f"{row['name']:<12}{row['class']:<6}{row['tps_plain']:>10.1f}{row['tps_spec']:>10.1f}"
+            f"{row['speedup']:>8.2f}x{row['acceptance_rate']:>8.2f}{row['alpha']:>7.2f}"
+            f"{row['mean_accepted_per_round']:>8.2f}{row['c']:>6.2f}"
+            f"{row['verify_over_decode']:>11.2f}{row['bound']:>7.2f}"
+            f"{row['measured_over_bound']:>11.2f}  {'yes' if row['identical'] else 'NO'}")
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise DSparkError("--plot needs matplotlib (pip install matplotlib)") from None
+    rows = report["prompts"]
+    names = [r["name"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    x = range(len(rows))
+    ax1.bar([i - 0.2 for i in x], [r["tps_plain"] for r in rows], 0.4, label="plain")
+    ax1.bar([i + 0.2 for i in x], [r["tps_spec"] for r in rows], 0.4, label="speculative")
+    ax1.set_ylabel("tokens/s")
+    ax1.legend()
+    ax2.bar(list(x), [r["acceptance_rate"] for r in rows], color="tab:green")
+    ax2.set_ylabel("draft acceptance rate")
+    for ax in (ax1, ax2):
+        ax.set_xticks(list(x), names, rotation=45, ha="right")
+    fig.suptitle(f"dsrun bench: window {report['window']}")
+    fig.tight_layout()
+    fig.savefig(path)

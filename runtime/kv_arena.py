@@ -1,0 +1,114 @@
+"""The unified paged KV arena: one allocation for main and draft, block tables per sequence.
+
+    buffer (one torch allocation, zeroed)
+      pool "main":  layer l K -> [num_blocks, kv_heads, block_size, head_dim]  (views)
+                    layer l V -> [num_blocks, kv_heads, block_size, head_dim]
+      pool "draft": ...
+A sequence's block table is shared by both pools: logical block b holds positions
+[b*block_size, (b+1)*block_size) in main and draft alike. Rolling back is O(1): it sets a
+length and returns whole blocks past the longer of the two lengths to the free list.
+Rejected slots are never copied or cleared; the next append overwrites them.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark.runtime.errors import DSparkError
+from dspark.runtime.memory_plan import MemoryPlan, PoolLayout
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DELTA_LOG_ENTRIES = 64
+
+
+class ArenaFullError(DSparkError):
+    """No free block: the caller admitted more than the arena holds."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One step of one sequence in one pool: positions written, then how many were kept."""
+
+    role: str
+    start: int
+    written: int
+    kept: int
+
+
+@dataclass
+class BlockTable:
+    blocks: list[int] = field(default_factory=list)
+    lengths: dict[str, int] = field(default_factory=dict)
+    log: deque = field(default_factory=lambda: deque(maxlen=DELTA_LOG_ENTRIES))
+
+    def length(self, role: str) -> int:
+        return self.lengths.get(role, 0)
+
+
+class Pool:
+    """One model's K/V views into the arena buffer."""
+
+    def __init__(self, buffer: torch.Tensor, layout: PoolLayout, plan: MemoryPlan):
+        dtype = _TORCH_DTYPES[layout.dtype]
+        shape = (plan.num_blocks, layout.num_kv_heads, plan.block_size, layout.head_dim)
+        size = layout.layer_bytes
+        def view(i: int) -> torch.Tensor:
+            start = layout.offset + i * size
+            return buffer[start:start + size].view(dtype).view(shape)
+        self.k = [view(2 * layer) for layer in range(layout.num_layers)]
+        self.v = [view(2 * layer + 1) for layer in range(layout.num_layers)]
+
+
+class KVArena:
+    def __init__(self, plan: MemoryPlan, delta_log: bool = True):
+        self.plan = plan
+        self.block_size = plan.block_size
+        self.buffer = torch.zeros(plan.total_bytes, dtype=torch.uint8)
+        self.pools = {p.role: Pool(self.buffer, p, plan) for p in plan.pools}
+        self.free: list[int] = list(range(plan.num_blocks))  # a heap: lowest ids first
+        self.tables: dict[int, BlockTable] = {}
+        self.delta_log = delta_log
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.plan.num_blocks - len(self.free)
+
+    def add_sequence(self, seq_id: int) -> None:
+        self.tables[seq_id] = BlockTable()
+
+    def release(self, seq_id: int) -> None:
+        """The sequence is done (finished or cancelled): all its blocks go back."""
+        for b in self.tables.pop(seq_id).blocks:
+            heapq.heappush(self.free, b)
+
+    def reserve(self, seq_id: int, role: str, start: int, count: int) -> None:
+        """Make room for positions [start, start+count) of `role`; logs the write."""
+        table = self.tables[seq_id]
+        need = -(-(start + count) // self.block_size)
+        while len(table.blocks) < need:
+            if not self.free:
+                raise ArenaFullError("KV arena full: no free block (raise --kv-budget-mb)")
+            table.blocks.append(heapq.heappop(self.free))
+        table.lengths[role] = start + count
+        if self.delta_log:
+            table.log.append(Delta(role, start, count, count))
+
+    def rollback(self, seq_id: int, role: str, length: int) -> None:
+        """Keep the first `length` positions of `role`; O(1) apart from freeing whole blocks."""
+        table = self.tables[seq_id]
+        before = table.length(role)
+        table.lengths[role] = min(length, before)
+        if self.delta_log and table.log and table.log[-1].role == role:
+            last = table.log[-1]
+            table.log[-1] = Delta(role, last.start, last.written, max(0, length - last.start))
+        keep = -(-max(table.lengths.values(), default=0) // self.block_size)
+        while len(table.blocks) > keep:
+            heapq.heappush(self.free, table.blocks.pop())

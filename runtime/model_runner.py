@@ -1,0 +1,38 @@
+"""One model of the bundle over the shared arena: reserve slots, run the flattened batch."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from dspark.runtime.batch import FlatBatch, SeqChunk
+from dspark.runtime.bundle import Bundle
+from dspark.runtime.executor import SegmentedModel
+from dspark.runtime.kv_arena import KVArena
+from dspark.runtime.paged_attention import PagedAttention
+
+
+class ModelRunner:
+    def __init__(self, bundle: Bundle, role: str, arena: KVArena):
+        self.role = role
+        self.arena = arena
+        self.model = SegmentedModel(bundle, role, PagedAttention(arena, role))
+        self.busy_s = 0.0
+        self.forwards = 0
+        self.tokens = 0
+
+    def forward(self, chunks: list[tuple[int, int, list[int]]], rows: list[int]
+                ) -> list[np.ndarray]:
+        """chunks: (seq_id, start, tokens); returns the last `rows[i]` logits of each."""
+        t0 = time.perf_counter()
+        for seq_id, start, tokens in chunks:
+            self.arena.reserve(seq_id, self.role, start, len(tokens))
+        batch = FlatBatch.build([SeqChunk(i, s, tuple(t)) for i, s, t in chunks])
+        ends = batch.cu_seqlens[1:]
+        index = np.concatenate([np.arange(e - n, e) for e, n in zip(ends, rows)])
+        logits = self.model.forward(batch, index)
+        self.busy_s += time.perf_counter() - t0
+        self.forwards += 1
+        self.tokens += batch.num_tokens
+        return np.split(logits, np.cumsum(rows)[:-1])

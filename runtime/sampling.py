@@ -1,0 +1,60 @@
+"""Logit processors and token sampling: the same processors shape draft (q) and main (p).
+
+Temperature 0 means greedy. Otherwise logits / temperature, then top-k, then top-p (nucleus),
+renormalised. Probabilities are float64 so that p/q ratios in acceptance are exact enough.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dspark.runtime.errors import DSparkError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.temperature <= 100:
+            raise DSparkError(f"temperature must lie in [0, 100], got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise DSparkError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise DSparkError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """[..., vocab] logits -> processed, normalised probabilities (float64)."""
+    x = logits.astype(np.float64) / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = np.partition(x, -params.top_k, axis=-1)[..., -params.top_k, None]
+        x = np.where(x < kth, -np.inf, x)
+    x = x - x.max(axis=-1, keepdims=True)
+    p = np.exp(x)
+    p /= p.sum(axis=-1, keepdims=True)
+    if params.top_p < 1:
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
+        drop_sorted = np.cumsum(sorted_p, axis=-1) - sorted_p >= params.top_p
+        drop = np.zeros_like(drop_sorted)
+        np.put_along_axis(drop, order, drop_sorted, axis=-1)
+        p = np.where(drop, 0.0, p)
+        p /= p.sum(axis=-1, keepdims=True)
+    return p
+
+
+def sample(p: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw from a normalised distribution (inverse CDF: one uniform per draw)."""
+    c = np.cumsum(p)
+    return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), len(p) - 1))

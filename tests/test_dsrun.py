@@ -1,0 +1,133 @@
+"""dsrun generate and bench through their CLI; every bad input is one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from cli_helpers import run_dsrun
+
+CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tok_bundle(fixture_pairs, tmp_path_factory):
+    """A fixture bundle with a small word-level tokenizer and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    root = tmp_path_factory.mktemp("tok")
+    words = {f"w{i}": i for i in range(300)}
+    words.update({"<user>": 300, "<assistant>": 301, "hello": 302, "world": 303})
+    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Split(r"<[a-z]+>|\w+", behavior="isolated")
+    (root / "tok").mkdir()
+    tok.save(str(root / "tok" / "tokenizer.json"))
+    (root / "tok" / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT}))
+    main, draft = fixture_pairs[("llama", "classic")]
+    out = root / "tok.dsmodel"
+    from dspark.compiler.compile import CompileOptions, compile_bundle
+    from dspark.compiler.progress import Progress
+
+    compile_bundle(CompileOptions(main, draft, out, tokenizer=root / "tok", max_seq_len=64),
+                   Progress(quiet=True))
+    return out
+
+
+def test_generate_json_and_plain_agree(capsys, compiled):
+    bundle = compiled[("gpt2", "classic")]
+    r = run_dsrun(capsys, "generate", "--model", bundle, "--prompt-ids", "1,2,3,4",
+                  "--max-tokens", "16", "--json")
+    assert r.code == 0, r.err
+    spec = json.loads(r.out)
+    assert len(spec["token_ids"]) == 16 and spec["finish_reason"] == "length"
+    assert set(spec["stats"]) == {"rounds", "draft_tokens", "accepted_tokens",
+                                  "mean_accepted_per_round", "tokens_per_s", "ttft_ms"}
+    assert spec["stats"]["draft_tokens"] > 0 and spec["stats"]["ttft_ms"] > 0
+    r = run_dsrun(capsys, "generate", "--model", bundle, "--prompt-ids", "1,2,3,4",
+                  "--max-tokens", "16", "--json", "--no-speculative")
+    plain = json.loads(r.out)
+    assert plain["token_ids"] == spec["token_ids"] and plain["stats"]["draft_tokens"] == 0
+    r = run_dsrun(capsys, "generate", "--model", bundle, "--prompt-ids", "1,2,3,4",
+                  "--max-tokens", "16", "--window", "2")
+    assert r.out.strip() == ",".join(map(str, spec["token_ids"]))
+    assert "[dsrun] 16 tokens" in r.err
+
+
+def test_generate_text_chat_and_stop(capsys, tok_bundle):
+    r = run_dsrun(capsys, "generate", "--model", tok_bundle, "--chat", "hello world",
+                  "--max-tokens", "12", "--json")
+    assert r.code == 0, r.err
+    out = json.loads(r.out)
+    assert out["text"] and len(out["token_ids"]) == 12
+    first = out["text"].split()[1]
+    r = run_dsrun(capsys, "generate", "--model", tok_bundle, "--chat", "hello world",
+                  "--max-tokens", "12", "--json", "--stop", first)
+    stopped = json.loads(r.out)
+    assert stopped["finish_reason"] == "stop" and first not in stopped["text"]
+    r = run_dsrun(capsys, "generate", "--model", tok_bundle, "--prompt", "hello world w7",
+                  "--max-tokens", "4", "--temperature", "0.8", "--seed", "3", "--json")
+    again = run_dsrun(capsys, "generate", "--model", tok_bundle, "--prompt", "hello world w7",
+                      "--max-tokens", "4", "--temperature", "0.8", "--seed", "3", "--json")
+    assert json.loads(r.out)["token_ids"] == json.loads(again.out)["token_ids"]
+
+
+def _refused(r, *fragments):
+    assert r.code == 2, (r.code, r.out, r.err)
+    assert "Traceback" not in r.err and len([x for x in r.err.splitlines() if x]) <= 3, r.err
+    for f in fragments:
+        assert f in r.err, (f, r.err)
+
+
+def test_generate_bad_input(capsys, compiled, tok_bundle, tmp_path):
+    bundle = compiled[("gpt2", "classic")]
+    gen = ("generate", "--model")
+    _refused(run_dsrun(capsys, *gen, tmp_path / "nope.dsmodel", "--prompt-ids", "1"),
+             "nope.dsmodel: no such bundle")
+    _refused(run_dsrun(capsys, *gen, bundle, "--prompt-ids", "1", "--max-tokens", "0"),
+             "--max-tokens")
+    _refused(run_dsrun(capsys, *gen, bundle, "--prompt-ids", "1", "--max-tokens", "-4"),
+             "--max-tokens")
+    _refused(run_dsrun(capsys, *gen, bundle, "--prompt-ids", "1", "--window", "0"), "--window")
+    _refused(run_dsrun(capsys, *gen, bundle, "--prompt-ids", "1,999"),
+             "token id 999 is outside the vocabulary [0, 320)")
+    _refused(run_dsrun(capsys, *gen, bundle, "--prompt-ids", "1,x"), "--prompt-ids")
+    _refused(run_dsrun(capsys, *gen, bundle, "--prompt", "hi"), "no tokenizer: use --prompt-ids")
+    _refused(run_dsrun(capsys, *gen, bundle, "--prompt", "hi", "--prompt-ids", "1"),
+             "exactly one of")
+    long_prompt = ",".join(["5"] * 70)
+    _refused(run_dsrun(capsys, *gen, tok_bundle, "--prompt-ids", long_prompt),
+             "70 tokens", "max sequence length is 64")
+    _refused(run_dsrun(capsys, *gen, tok_bundle, "--prompt-ids", "1,2,3", "--max-tokens", "62"),
+             "exceeds the max sequence length 64")
+    tampered = tmp_path / "t.dsmodel"
+    shutil.copytree(bundle, tampered)
+    (tampered / "draft" / "weights.bin").write_bytes(b"\0" * 10)
+    _refused(run_dsrun(capsys, *gen, tampered, "--prompt-ids", "1"), "draft/weights.bin")
+    _refused(run_dsrun(capsys, "--model", bundle), "serving is not yet implemented")
+
+
+def test_bench_reports_speedup_and_bound(capsys, compiled, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"name": "a", "class": "code", "prompt_ids": [1, 2, 3]}\n'
+                       '{"name": "b", "class": "chat", "prompt_ids": [9, 8, 7, 6, 5]}\n')
+    png = tmp_path / "bench.png"
+    r = run_dsrun(capsys, "bench", "--model", compiled[("llama", "dynamo")], "--prompts", prompts,
+                  "--max-tokens", "12", "--repeats", "2", "--json", "--plot", png)
+    assert r.code == 0, r.err
+    report = json.loads(r.out)
+    assert [c["name"] for c in report["classes"]] == ["chat", "code"]
+    for row in report["prompts"] + report["classes"]:
+        assert row["identical"] and row["tps_plain"] > 0 and row["tps_spec"] > 0
+        assert 0 <= row["alpha"] < 1 and row["c"] > 0 and row["bound"] > 0
+        assert row["measured_over_bound"] == pytest.approx(row["speedup"] / row["bound"])
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    r = run_dsrun(capsys, "bench", "--model", compiled[("llama", "dynamo")], "--prompts", prompts,
+                  "--max-tokens", "4", "--repeats", "1")
+    assert "speedup" in r.out and "meas/bound" in r.out
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{oops\n")
+    _refused(run_dsrun(capsys, "bench", "--model", compiled[("llama", "dynamo")], "--prompts",
+                       bad), "bad.jsonl:1: not JSON")

@@ -1,0 +1,72 @@
+"""Lossless: greedy output with speculation equals plain greedy and the original model's loop.
+
+A batch of 8 prompts of mixed lengths runs together, 64 new tokens, at windows 1, 4 and 8,
+on every fixture pair (both export forms) and on the real SmolLM2 pair.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from lossless import first_fork
+
+from dspark.compiler.reference import OriginalModel
+from dspark.runtime.bundle import open_bundle
+from dspark.runtime.engine import Engine
+from dspark.runtime.request import GenerationRequest
+from dspark.runtime.tokenizer import BundleTokenizer
+from dspark.runtime.window import FixedWindow
+
+PAIRS = [("llama", "classic"), ("llama", "dynamo"), ("gpt2", "classic"), ("gpt2", "dynamo")]
+LENGTHS = (1, 3, 5, 8, 13, 21, 34, 55)
+
+
+def _check_lossless(bundle_path, main_path, prompts, eos=frozenset(), max_tokens=64):
+    bundle = open_bundle(bundle_path)
+    original = OriginalModel(main_path)
+    refs = [original.greedy(p, max_tokens) for p in prompts]
+    report = []
+    for window, spec in ((1, False), (1, True), (4, True), (8, True)):
+        engine = Engine(bundle, FixedWindow(window), max_batch=8, eos_ids=tuple(eos))
+        seqs = engine.generate([GenerationRequest(tuple(p), max_tokens, speculative=spec)
+                                for p in prompts])
+        for p, seq, ref in zip(prompts, seqs, refs):
+            fork = first_fork(seq.generated, ref, p, original, set(eos), seq.finish_reason)
+            if fork:
+                report.append(f"window {window} spec {spec}: {fork}")
+        assert engine.arena.free_blocks == bundle.plan.num_blocks  # every block came back
+        if spec:
+            assert sum(s.stats.draft_tokens for s in seqs) > 0
+    print("\n".join(report) or "no forks")
+    return report
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: "-".join(p))
+def test_greedy_lossless_on_fixtures(fixture_pairs, compiled, pair):
+    rng = np.random.default_rng(7)
+    prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in LENGTHS]
+    _check_lossless(compiled[pair], fixture_pairs[pair][0], prompts)
+
+
+def test_speculation_accepts_when_draft_is_main(fixture_pairs, tmp_path):
+    """Draft == main: every draft token is accepted, the bonus path runs every round."""
+    from dspark.compiler.compile import CompileOptions, compile_bundle
+    from dspark.compiler.progress import Progress
+
+    main, _ = fixture_pairs[("llama", "classic")]
+    out = tmp_path / "self.dsmodel"
+    compile_bundle(CompileOptions(main, main, out), Progress(quiet=True))
+    engine = Engine(open_bundle(out), FixedWindow(4))
+    [seq] = engine.generate([GenerationRequest((5, 6, 7), 41)])
+    assert seq.generated == OriginalModel(main).greedy([5, 6, 7], 41)
+    assert seq.stats.rounds == 8 and seq.stats.accepted_tokens == seq.stats.draft_tokens == 32
+
+
+@pytest.mark.slow
+def test_greedy_lossless_on_smollm2(smollm2_pair, smollm2_bundle):
+    from dspark.runtime.bench import _ids, load_prompts
+
+    tokenizer = BundleTokenizer(smollm2_bundle / "tokenizer")
+    prompts = [_ids(tokenizer, p) for p in load_prompts(None)]
+    assert len({len(p) for p in prompts}) > 4  # mixed lengths
+    _check_lossless(smollm2_bundle, smollm2_pair / "main.onnx", prompts, tokenizer.eos_ids)
