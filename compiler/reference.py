@@ -21,9 +21,10 @@ from dspark.runtime.spec import INPUT_IDS, LOGITS, POSITION_IDS
 
 
 class OriginalModel:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, session=None):
+        """`session`: an onnxruntime session of `path` made elsewhere (default: shared pool)."""
         self.contract = check_contract(path, load_header(path))
-        self.session = make_session(path, level="all")
+        self.session = session or make_session(path, level="all")
         c = self.contract
         self.present = [f"present.{i}.{k}" for i in range(c.num_layers) for k in ("key", "value")]
 

@@ -36,6 +36,8 @@ class SegmentedModel:
         self.ops_after: dict[int, list[VerifyOp]] = defaultdict(list)
         for op in self.spec.verify_ops:
             self.ops_after[op.after_segment].append(op)
+        self.steps = [(sess, list(seg.outputs), list(seg.inputs), self.ops_after[seg.index])
+                      for seg, sess in zip(self.spec.segments, self.sessions)]
         self.input_types = {
             i.name: _ORT_INT.get(i.type, np.int64) for s in self.sessions for i in s.get_inputs()
             if i.name in (INPUT_IDS, POSITION_IDS)
@@ -52,10 +54,9 @@ class SegmentedModel:
         selects = LOGITS_INDEX in self.spec.inputs
         if selects:
             env[LOGITS_INDEX] = np.arange(batch.num_tokens) if rows is None else rows
-        for seg, sess in zip(self.spec.segments, self.sessions):
-            outs = sess.run(list(seg.outputs), {n: env[n] for n in seg.inputs})
-            env.update(zip(seg.outputs, outs))
-            for op in self.ops_after[seg.index]:
+        for sess, outputs, inputs, ops in self.steps:
+            env.update(zip(outputs, sess.run(outputs, {n: env[n] for n in inputs})))
+            for op in ops:
                 env[op.out] = self.attention(op, env[op.q], env[op.k], env[op.v], batch)
         logits = env[LOGITS][0]
         return logits if rows is None or selects else logits[rows]

@@ -41,9 +41,10 @@ def init_threads() -> bool:
     return True
 
 
-def make_session(path: str | Path, level: str = "all", optimized_path: Path | None = None,
+def make_session(path: str | Path | bytes, level: str = "all", optimized_path: Path | None = None,
                  config: dict[str, str] | None = None) -> ort.InferenceSession:
-    """A CPU session on the shared pool (`level`: none, basic or all graph optimization)."""
+    """A CPU session on the shared pool (`level`: none, basic or all graph optimization);
+    `path` may also be a serialized model."""
     shared = init_threads()
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -57,4 +58,5 @@ def make_session(path: str | Path, level: str = "all", optimized_path: Path | No
         so.optimized_model_filepath = str(optimized_path)
     for key, value in (config or {}).items():
         so.add_session_config_entry(key, value)
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    model = path if isinstance(path, bytes) else str(path)
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])

@@ -90,3 +90,19 @@ def test_paged_attention_matches_contiguous_reference(arena, new):
             np.testing.assert_allclose(got[0], want.numpy(), rtol=1e-5, atol=1e-5)
         starts = [a + n for a, n in zip(starts, lens)]
     assert any(np.diff(arena.tables[s].blocks).max(initial=1) > 1 for s in range(3))
+
+
+@pytest.mark.parametrize("heads,kv_heads,n,cached", [(9, 3, 70, 30), (4, 4, 65, 0), (8, 2, 1, 99)])
+def test_onnxruntime_window_attention_matches_numpy(heads, kv_heads, n, cached):
+    from dspark.runtime.ort_attention import ort_attend
+    from dspark.runtime.paged_attention import attend
+
+    rng = np.random.default_rng(3)
+    length = cached + n
+    q = rng.standard_normal((heads, n, 16)).astype(np.float32)
+    k = rng.standard_normal((kv_heads, length, 16)).astype(np.float32)
+    v = rng.standard_normal((kv_heads, length, 16)).astype(np.float32)
+    visible = np.arange(length)[None, :] <= (cached + np.arange(n))[:, None]
+    bias = np.where(visible, 0.0, -np.inf).astype(np.float32)
+    np.testing.assert_allclose(ort_attend(q, k, v, bias, 0.25), attend(q, k, v, bias, 0.25),
+                               rtol=1e-5, atol=1e-5)
