@@ -1,5 +1,5 @@
 # Two commands on a fresh machine (Python 3.10+, pip, a C compiler not needed):
-#   make demo   set up, build the SmolLM2 sample pair, compile it, inspect the bundle
+#   make demo   set up, build the SmolLM2 sample pair, compile it, generate, benchmark
 #   make test   set up, run the test suite (what CI runs)
 PYTHON ?= python3
 VENV ?= .venv
@@ -24,6 +24,9 @@ demo: setup
 	$(BIN)/python samples/smollm2.py --out $(SAMPLE)
 	$(BIN)/dsc compile $(SAMPLE)/main.onnx $(SAMPLE)/draft.onnx -o build/smollm2.dsmodel --force
 	$(BIN)/dsc inspect build/smollm2.dsmodel
+	$(BIN)/dsrun generate --model build/smollm2.dsmodel --max-tokens 96 \
+	    --chat "Write a Python function that returns the n-th Fibonacci number."
+	$(BIN)/dsrun bench --model build/smollm2.dsmodel --repeats 1 --max-tokens 64
 
 test: setup
 	$(BIN)/python -m pytest
