@@ -83,7 +83,7 @@ def _one(engine: Engine, ids: list[int], max_tokens: int, spec: bool) -> dict:
 
 def run_bench(engine: Engine, tokenizer, prompts: list[dict], max_tokens: int,
               repeats: int) -> dict:
-    w = getattr(engine.policy, "size", engine.config.window.initial)
+    w = engine.fixed_window
     ids = {p["name"]: _ids(tokenizer, p) for p in prompts}
     first = next(iter(ids.values()))
     _one(engine, first, 8, True)  # warm-up: sessions' first runs, allocations

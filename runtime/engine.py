@@ -1,70 +1,87 @@
 """The engine: continuous batching with speculative decoding, one batch per step.
 
-    step: admit -> draft w tokens per sequence -> verify w+1 in one main forward
-          -> accept (pure function) -> roll back the caches -> emit
-Prefill is not a separate phase: a new sequence's prompt rides in the first draft forward
-(draft prefill) and the first verify forward (main prefill), flattened with everyone else.
+    step: admit -> plan (prompt chunks) -> draft (window policy) -> balance (which drafts
+          are verified) -> verify w+1 in one main forward -> accept (pure function)
+          -> roll back the caches -> emit -> maintain (cache health, resources)
+Prefill is not a separate phase: prompt chunks ride in the verify forward with everyone's
+drafts; the draft model catches up in its first forward of a later round.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
 from collections.abc import Callable
 
 import numpy as np
 
 from dspark.runtime.acceptance import Acceptance, accept_greedy, accept_sampled
 from dspark.runtime.bundle import Bundle
+from dspark.runtime.config import DFlashConfig
+from dspark.runtime.dflash.costs import CostModel
+from dspark.runtime.dflash.goodput import select_slots
+from dspark.runtime.dflash.policy import RoundView, WindowPolicy, make_policy
+from dspark.runtime.dflash.vlb import VerifyBalancer
+from dspark.runtime.drafting import run_drafts
 from dspark.runtime.errors import DSparkError
 from dspark.runtime.kv_arena import KVArena
 from dspark.runtime.model_runner import ModelRunner
 from dspark.runtime.request import GenerationRequest, Sequence
-from dspark.runtime.sampling import probabilities, sample
-from dspark.runtime.window import FixedWindow, WindowPolicy
+from dspark.runtime.sampling import probabilities
+from dspark.runtime.scheduler import Scheduler
 
 
 class Engine:
-    def __init__(self, bundle: Bundle, policy: WindowPolicy | None = None, max_batch: int = 16,
-                 eos_ids: tuple[int, ...] = (), decode: Callable[[list[int]], str] | None = None):
+    def __init__(self, bundle: Bundle, policy: str | None = None, window: int | None = None,
+                 max_batch: int = 16, eos_ids: tuple[int, ...] = (),
+                 decode: Callable[[list[int]], str] | None = None, prefill_tokens: int = 256):
+        self.bundle = bundle
         self.plan = bundle.plan
-        self.config = bundle.config
+        self.config: DFlashConfig = bundle.config
+        self.costs = CostModel()
         self.arena = KVArena(self.plan)
-        self.main = ModelRunner(bundle, "main", self.arena)
-        self.draft = ModelRunner(bundle, "draft", self.arena)
+        self.main = ModelRunner(bundle, "main", self.arena, self.costs)
+        self.draft = ModelRunner(bundle, "draft", self.arena, self.costs)
         self.vocab_size = bundle.model("main").vocab_size
-        self.policy = policy or FixedWindow(self.config.window.initial)
-        self.max_batch = max_batch
+        self.policy_name = policy or self.config.window.policy
+        self.fixed_window = window or self.config.window.initial
+        self.policies: dict[str, WindowPolicy] = {}
+        self.balancer = VerifyBalancer(self.config.verify_balance, self.costs)
+        self.scheduler = Scheduler(self.plan, self.config, max_batch, prefill_tokens)
         self.eos_ids = frozenset(eos_ids)
         self.decode = decode
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.reserved: dict[int, int] = {}  # blocks each running sequence may grow to
         self.ids = itertools.count()
+        self.ras_cap = self.config.window.max_window
 
+    # -- the loop ---------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """One engine step; returns the sequences it advanced (finished ones included)."""
-        batch = self.schedule()
+        for seq in self.scheduler.admit():
+            self.arena.add_sequence(seq.id)
+        batch = self.scheduler.plan_step()
         if batch:
             self.propose(batch)
-            logits = self.verify(batch)
-            for seq, rows in zip(batch, logits):
-                self.emit(seq, self.accept(seq, rows))
+            self.balance(batch)
+            for seq, rows in zip(batch, self.verify(batch)):
+                self.advance(seq, rows)
             self.retire(batch)
         return batch
 
     def submit(self, request: GenerationRequest) -> Sequence:
         self.check(request)
         seq = Sequence(next(self.ids), request)
-        self.waiting.append(seq)
+        self.scheduler.submit(seq)
         return seq
 
     def generate(self, requests: list[GenerationRequest]) -> list[Sequence]:
         seqs = [self.submit(r) for r in requests]
-        while self.waiting or self.running:
+        while self.busy:
             self.step()
         return seqs
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.pending)
 
     def check(self, request: GenerationRequest) -> None:
         limit = self.plan.max_seq_len
@@ -78,76 +95,104 @@ class Engine:
             raise DSparkError(f"prompt ({len(request.prompt_ids)} tokens) + max_tokens "
                               f"({request.max_tokens}) exceeds the max sequence length {limit}")
 
-    def schedule(self) -> list[Sequence]:
-        """Admit waiting sequences while batch slots and worst-case KV blocks allow."""
-        bs = self.plan.block_size
-        while self.waiting and len(self.running) < self.max_batch:
-            seq = self.waiting[0]
-            need = -(-(seq.prompt_len + seq.request.max_tokens) // bs)
-            if sum(self.reserved.values()) + need > self.plan.num_blocks:
-                break
-            self.waiting.popleft()
-            self.arena.add_sequence(seq.id)
-            self.reserved[seq.id] = need
-            self.running.append(seq)
-        return list(self.running)
+    # -- window policies --------------------------------------------------------------
+    def policy(self, tenant: str) -> WindowPolicy:
+        if tenant not in self.policies:
+            self.policies[tenant] = make_policy(self.policy_name, window=self.fixed_window,
+                                                config=self.config.window, costs=self.costs)
+        return self.policies[tenant]
 
-    def window_for(self, seq: Sequence) -> int:
+    def cap(self, seq: Sequence) -> int:
+        tenant = next((t.max_window for t in self.config.tenants if t.name == seq.tenant),
+                      self.config.window.max_window)
         req = seq.request
-        if not req.speculative:
-            return 0
-        w = self.policy.window(seq.stats, seq.prompt_len, len(seq.generated))
-        caps = [self.config.window.max_window, req.max_window or w,
-                req.max_tokens - len(seq.generated) - 1]
-        return max(0, min(w, *caps))
+        return max(0, min(self.config.window.max_window, tenant, req.max_window or 64,
+                          self.ras_cap, req.max_tokens - len(seq.generated) - 1))
 
+    def view(self, seq: Sequence) -> RoundView:
+        return RoundView(seq.id, seq.tenant, seq.prompt_len, len(seq.generated), seq.stats,
+                         self.cap(seq))
+
+    # -- one round --------------------------------------------------------------------
     def propose(self, batch: list[Sequence]) -> None:
-        """Draft w tokens for each speculative sequence, all sequences per forward."""
-        t0 = time.perf_counter()
-        plan = [(seq, self.window_for(seq)) for seq in batch]
-        for seq, _ in plan:
-            seq.drafts, seq.draft_probs = [], []
-        active = [(seq, w) for seq, w in plan if w > 0]
-        while active:
-            # first forward: the tokens the draft has not seen (prompt or catch-up); then
-            # each previous draft token (tokens[draft_cached:] is empty by then)
-            chunks = [(s.id, s.draft_cached, s.tokens[s.draft_cached:] + s.drafts[-1:])
-                      for s, _ in active]
-            rows = self.draft.forward(chunks, [1] * len(chunks))
-            for (seq, _), (_, start, tokens), row in zip(active, chunks, rows):
-                seq.draft_cached = start + len(tokens)
-                self._draw_draft(seq, row[-1])
-            active = [(s, w) for s, w in active if len(s.drafts) < w]
-        self.last_draft_s = time.perf_counter() - t0
+        """Choose each sequence's window, then draft for all of them together."""
+        drafting = [s for s in batch if not s.prefilling and s.request.speculative]
+        for seq in batch:
+            seq.window = 0
+        for policy in self.policies.values():
+            if hasattr(policy, "batch"):
+                policy.batch = max(1, len(drafting))
+        for seq in drafting:
+            seq.window = min(self.cap(seq), self.policy(seq.tenant).window(self.view(seq)))
+        record = self.policy_name != "fixed"
 
-    def _draw_draft(self, seq: Sequence, logits: np.ndarray) -> None:
-        params = seq.request.sampling
-        if params.greedy:
-            seq.drafts.append(int(logits.argmax()))
-            return
-        q = probabilities(logits, params)
-        seq.drafts.append(sample(q, seq.rng))
-        seq.draft_probs.append(q)
+        def keep(seq: Sequence) -> bool:
+            seq.stats.draft_top1 = [c for c, _ in seq.draft_conf]
+            return self.policy(seq.tenant).keep_drafting(self.view(seq), len(seq.drafts))
+
+        run_drafts(self.draft, drafting, keep, self.scheduler.prefill_tokens, record)
+
+    def balance(self, batch: list[Sequence]) -> None:
+        """How many drafts each sequence verifies now (VLB; goodput's slot selection)."""
+        for seq in batch:
+            seq.verify = self.balancer.admit(min(len(seq.drafts), seq.window))
+        if self.policy_name == "goodput":
+            with_drafts = [s for s in batch if s.verify]
+            survival = [self._survival(s) for s in with_drafts]
+            base = sum(s.chunk for s in batch)
+            for seq, keep in zip(with_drafts, select_slots(survival, base, self.costs)):
+                seq.verify = keep
+
+    def _survival(self, seq: Sequence) -> list[float]:
+        policy, view = self.policy(seq.tenant), self.view(seq)
+        return [policy._survival(view, j) for j in range(1, seq.verify + 1)]
 
     def verify(self, batch: list[Sequence]) -> list[np.ndarray]:
-        """One main forward: each sequence's uncached tokens plus its drafts."""
-        chunks = [(s.id, s.main_cached, s.tokens[s.main_cached:] + s.drafts) for s in batch]
-        return self.main.forward(chunks, [len(s.drafts) + 1 for s in batch])
+        """One main forward: prompt chunks, uncached tokens and the verified drafts."""
+        chunks, rows = [], []
+        for s in batch:
+            feed = s.tokens[s.main_cached:s.main_cached + s.chunk]
+            done = s.main_cached + len(feed) == len(s.tokens)
+            chunks.append((s.id, s.main_cached, feed + (s.drafts[:s.verify] if done else [])))
+            rows.append(s.verify + 1 if done else 0)
+        t0 = time.perf_counter()
+        logits = self.main.forward(chunks, rows)
+        self.balancer.observe(sum(len(c[2]) for c in chunks), time.perf_counter() - t0)
+        return logits
+
+    def advance(self, seq: Sequence, logits: np.ndarray) -> None:
+        self.scheduler.account(seq, seq.chunk + seq.verify)
+        if not len(logits):  # a prompt chunk: the cache grew, nothing to emit yet
+            seq.main_cached += seq.chunk
+            return
+        result = self.accept(seq, logits)
+        self.policy(seq.tenant).observe(self.view(seq))
+        self.emit(seq, result)
 
     def accept(self, seq: Sequence, logits: np.ndarray) -> Acceptance:
+        k, drafts = seq.verify, seq.drafts
         params = seq.request.sampling
         if params.greedy:
-            result = accept_greedy(seq.drafts, logits)
+            result = accept_greedy(drafts[:k], logits)
         else:
-            q = np.array(seq.draft_probs) if seq.drafts else np.zeros((0, logits.shape[-1]))
-            result = accept_sampled(seq.drafts, q, probabilities(logits, params), seq.rng)
+            q = np.array(seq.draft_probs[:k]) if k else np.zeros((0, logits.shape[-1]))
+            result = accept_sampled(drafts[:k], q, probabilities(logits, params), seq.rng)
+        seq.stats.draft_top1 = [c for c, _ in seq.draft_conf]
+        seq.stats.draft_entropy = [e for _, e in seq.draft_conf]
         seq.stats.record(result.drafted, result.accepted)
-        kept = len(seq.tokens) + result.accepted
-        seq.main_cached = kept
-        self.arena.rollback(seq.id, "main", kept)
-        if result.drafted:
-            seq.draft_cached = min(seq.draft_cached, kept)
-            self.arena.rollback(seq.id, "draft", seq.draft_cached)
+        old = len(seq.tokens)
+        # held drafts survive only if every verified draft was accepted and the main
+        # model's own next token is the first held one
+        keep_held = result.accepted == k and k < len(drafts) and drafts[k] == result.tokens[-1]
+        same = old + (len(drafts) if keep_held else result.accepted)
+        seq.main_cached = old + result.accepted
+        self.arena.rollback(seq.id, "main", seq.main_cached)
+        if seq.draft_cached > same:
+            seq.draft_cached = same
+            self.arena.rollback(seq.id, "draft", same)
+        held = k + 1 if keep_held else len(drafts)
+        seq.drafts, seq.draft_probs = drafts[held:], seq.draft_probs[held:]
+        seq.draft_conf = seq.draft_conf[held:]
         return result
 
     def emit(self, seq: Sequence, result: Acceptance) -> None:
@@ -171,15 +216,18 @@ class Engine:
 
     def cancel(self, seq: Sequence) -> None:
         """Stop a sequence (client gone); its blocks are freed."""
-        if seq in self.waiting:
-            self.waiting.remove(seq)
         seq.finish_reason = seq.finish_reason or "cancelled"
-        self.retire([seq])
+        self.scheduler.cancel(seq)
+        self._release(seq)
 
     def retire(self, batch: list[Sequence]) -> None:
         for seq in batch:
-            if seq.done and seq.id in self.reserved:
-                seq.finished_at = time.perf_counter()
-                self.arena.release(seq.id)
-                del self.reserved[seq.id]
-                self.running.remove(seq)
+            if seq.done:
+                self.scheduler.finish(seq)
+                self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.id in self.arena.tables:
+            seq.finished_at = time.perf_counter()
+            self.arena.release(seq.id)
+            self.policy(seq.tenant).forget(seq.id)

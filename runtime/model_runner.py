@@ -8,31 +8,42 @@ import numpy as np
 
 from dspark.runtime.batch import FlatBatch, SeqChunk
 from dspark.runtime.bundle import Bundle
+from dspark.runtime.dflash.costs import CostModel
 from dspark.runtime.executor import SegmentedModel
 from dspark.runtime.kv_arena import KVArena
 from dspark.runtime.paged_attention import PagedAttention
 
 
 class ModelRunner:
-    def __init__(self, bundle: Bundle, role: str, arena: KVArena):
+    def __init__(self, bundle: Bundle, role: str, arena: KVArena, costs: CostModel | None = None,
+                 pool: str | None = None):
         self.role = role
+        self.pool = pool or role
         self.arena = arena
-        self.model = SegmentedModel(bundle, role, PagedAttention(arena, role))
+        self.costs = costs
+        self.model = SegmentedModel(bundle, role, PagedAttention(arena, self.pool))
         self.busy_s = 0.0
         self.forwards = 0
         self.tokens = 0
 
     def forward(self, chunks: list[tuple[int, int, list[int]]], rows: list[int]
                 ) -> list[np.ndarray]:
-        """chunks: (seq_id, start, tokens); returns the last `rows[i]` logits of each."""
+        """chunks: (seq_id, start, tokens); returns the last `rows[i]` logits of each (a
+        chunk with 0 rows only fills the cache)."""
         t0 = time.perf_counter()
         for seq_id, start, tokens in chunks:
-            self.arena.reserve(seq_id, self.role, start, len(tokens))
+            self.arena.reserve(seq_id, self.pool, start, len(tokens))
         batch = FlatBatch.build([SeqChunk(i, s, tuple(t)) for i, s, t in chunks])
         ends = batch.cu_seqlens[1:]
         index = np.concatenate([np.arange(e - n, e) for e, n in zip(ends, rows)])
-        logits = self.model.forward(batch, index)
-        self.busy_s += time.perf_counter() - t0
+        logits = self.model.forward(batch, index if len(index) else ends[-1:] - 1)
+        elapsed = time.perf_counter() - t0
+        self.busy_s += elapsed
         self.forwards += 1
         self.tokens += batch.num_tokens
+        if self.costs is not None:
+            self.costs.record("main" if self.role == "main" else "draft", batch.num_tokens,
+                              elapsed)
+        if not len(index):
+            return [logits[:0]] * len(chunks)
         return np.split(logits, np.cumsum(rows)[:-1])

@@ -38,14 +38,18 @@ class SeqStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_at: list[int] = field(default_factory=list)  # accepted count per draft position
-    last_window: int = 0
+    last_window: int = 0  # drafts verified last round
     last_accepted: int = 0
+    windows: int = 0  # sum of verified windows, for the mean
+    draft_top1: list[float] = field(default_factory=list)  # per drafted position, this round
+    draft_entropy: list[float] = field(default_factory=list)  # of the renormalised top-3
 
     def record(self, drafted: int, accepted: int) -> None:
         if drafted:
             self.rounds += 1
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
+        self.windows += drafted
         self.last_window, self.last_accepted = drafted, accepted
         if len(self.accepted_at) < drafted:
             self.accepted_at += [0] * (drafted - len(self.accepted_at))
@@ -60,6 +64,24 @@ class SeqStats:
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
+    @property
+    def mean_window(self) -> float:
+        return self.windows / self.rounds if self.rounds else 0.0
+
+    @property
+    def confidence_slope(self) -> float | None:
+        """Mean |first difference| of the draft's top-1 probability along the window."""
+        p = self.draft_top1
+        if len(p) < 2:
+            return None
+        return sum(abs(b - a) for a, b in zip(p, p[1:])) / (len(p) - 1)
+
+    @property
+    def top3_entropy(self) -> float | None:
+        """Mean entropy (nats) of the draft's renormalised top-3 over the window."""
+        e = self.draft_entropy
+        return sum(e) / len(e) if e else None
+
 
 class Sequence:
     def __init__(self, seq_id: int, request: GenerationRequest):
@@ -69,8 +91,13 @@ class Sequence:
         self.prompt_len = len(self.tokens)
         self.main_cached = 0  # tokens whose KV the main pool holds (always len(tokens) - 1 after)
         self.draft_cached = 0
-        self.drafts: list[int] = []
+        self.drafts: list[int] = []  # drafted, not yet verified (held ones carry over)
         self.draft_probs: list[np.ndarray] = []
+        self.window = 0  # drafts wanted this round
+        self.verify = 0  # drafts verified this round
+        self.chunk = 0  # uncached tokens fed to the main model this round
+        self.draft_conf: list[tuple[float, float]] = []  # (top-1 prob, top-3 entropy) per draft
+        self.waited_from = 0  # scheduler step at submission (aging)
         self.rng = np.random.default_rng(request.sampling.seed)
         self.stats = SeqStats()
         self.finish_reason: str | None = None
@@ -82,6 +109,20 @@ class Sequence:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len:]
+
+    @property
+    def tenant(self) -> str:
+        return self.request.tenant
+
+    @property
+    def prefilling(self) -> bool:
+        """No token emitted yet: the prompt (or its rest) still has to be fed."""
+        return len(self.tokens) == self.prompt_len
+
+    @property
+    def uncached(self) -> int:
+        """Tokens the main model has not seen (the prompt's rest, or the last token)."""
+        return len(self.tokens) - self.main_cached
 
     @property
     def done(self) -> bool:

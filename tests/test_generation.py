@@ -1,7 +1,8 @@
 """Lossless: greedy output with speculation equals plain greedy and the original model's loop.
 
 A batch of 8 prompts of mixed lengths runs together, 64 new tokens, at windows 1, 4 and 8,
-on every fixture pair (both export forms) and on the real SmolLM2 pair.
+under the dflash and goodput policies, with prompts fed in small chunks, on every fixture
+pair (both export forms) and on the real SmolLM2 pair.
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ from lossless import first_fork
 
 from dspark.compiler.reference import OriginalModel
 from dspark.runtime.bundle import open_bundle
+from dspark.runtime.config import VerifyBalanceConfig
 from dspark.runtime.engine import Engine
 from dspark.runtime.request import GenerationRequest
 from dspark.runtime.tokenizer import BundleTokenizer
-from dspark.runtime.window import FixedWindow
 
 PAIRS = [("llama", "classic"), ("llama", "dynamo"), ("gpt2", "classic"), ("gpt2", "dynamo")]
 LENGTHS = (1, 3, 5, 8, 13, 21, 34, 55)
+# (policy, window, speculative, prefill tokens per step)
+SETTINGS = [("fixed", 1, False, 256), ("fixed", 1, True, 256), ("fixed", 4, True, 16),
+            ("fixed", 8, True, 256), ("dflash", None, True, 256), ("goodput", None, True, 32)]
 
 
 def _check_lossless(bundle_path, main_path, prompts, eos=frozenset(), max_tokens=64):
@@ -26,14 +30,15 @@ def _check_lossless(bundle_path, main_path, prompts, eos=frozenset(), max_tokens
     original = OriginalModel(main_path)
     refs = [original.greedy(p, max_tokens) for p in prompts]
     report = []
-    for window, spec in ((1, False), (1, True), (4, True), (8, True)):
-        engine = Engine(bundle, FixedWindow(window), max_batch=8, eos_ids=tuple(eos))
+    for policy, window, spec, chunk in SETTINGS:
+        engine = Engine(bundle, policy, window, max_batch=8, eos_ids=tuple(eos),
+                        prefill_tokens=chunk)
         seqs = engine.generate([GenerationRequest(tuple(p), max_tokens, speculative=spec)
                                 for p in prompts])
         for p, seq, ref in zip(prompts, seqs, refs):
             fork = first_fork(seq.generated, ref, p, original, set(eos), seq.finish_reason)
             if fork:
-                report.append(f"window {window} spec {spec}: {fork}")
+                report.append(f"{policy} window {window} spec {spec}: {fork}")
         assert engine.arena.free_blocks == bundle.plan.num_blocks  # every block came back
         if spec:
             assert sum(s.stats.draft_tokens for s in seqs) > 0
@@ -56,10 +61,18 @@ def test_speculation_accepts_when_draft_is_main(fixture_pairs, tmp_path):
     main, _ = fixture_pairs[("llama", "classic")]
     out = tmp_path / "self.dsmodel"
     compile_bundle(CompileOptions(main, main, out), Progress(quiet=True))
-    engine = Engine(open_bundle(out), FixedWindow(4))
+    want = OriginalModel(main).greedy([5, 6, 7], 41)
+    engine = Engine(open_bundle(out), "fixed", 4)
+    engine.balancer.config = VerifyBalanceConfig(steady_tokens_low=8, steady_tokens_mid=8)
     [seq] = engine.generate([GenerationRequest((5, 6, 7), 41)])
-    assert seq.generated == OriginalModel(main).greedy([5, 6, 7], 41)
+    # round 1 is the prefill; then 8 rounds of 4 accepted drafts + the bonus token
+    assert seq.generated == want
     assert seq.stats.rounds == 8 and seq.stats.accepted_tokens == seq.stats.draft_tokens == 32
+    # VLB admitting 1 + 2 per round: the 4th draft is held, and it equals the bonus token
+    engine.balancer.config = VerifyBalanceConfig(steady_tokens_low=2, steady_tokens_mid=1)
+    [seq] = engine.generate([GenerationRequest((5, 6, 7), 41)])
+    assert seq.generated == want
+    assert seq.stats.rounds == 10 and seq.stats.accepted_tokens == seq.stats.draft_tokens == 30
 
 
 @pytest.mark.slow

@@ -1,0 +1,82 @@
+"""The window-policy interface and its registry.
+
+A policy sees a `RoundView` (lengths and the sequence's SeqStats) and the cost model; it
+never touches the executor. Per round it answers three questions:
+    window(view)                how many tokens may be drafted (0: plain decoding)
+    keep_drafting(view, j)      after drafting j tokens, draft one more?
+    observe(view)               the round is verified; update state from the statistics
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from dspark.runtime.errors import DSparkError
+from dspark.runtime.request import SeqStats
+
+
+@dataclass(frozen=True)
+class RoundView:
+    seq_id: int
+    tenant: str
+    prompt_len: int
+    generated: int
+    stats: SeqStats
+    cap: int  # the tightest of config, tenant, request and resource caps
+
+    @property
+    def plnp(self) -> float:
+        """Prompt-length-normalised position: generated / prompt tokens."""
+        return self.generated / max(1, self.prompt_len)
+
+
+class WindowPolicy(Protocol):
+    name: str
+
+    def window(self, view: RoundView) -> int: ...
+
+    def keep_drafting(self, view: RoundView, drafted: int) -> bool: ...
+
+    def observe(self, view: RoundView) -> None: ...
+
+    def forget(self, seq_id: int) -> None: ...
+
+
+class FixedWindow:
+    """The same window every round."""
+
+    name = "fixed"
+
+    def __init__(self, window: int = 4, **_):
+        if window < 1:
+            raise DSparkError(f"window must be >= 1, got {window}")
+        self.size = window
+
+    def window(self, view: RoundView) -> int:
+        return self.size
+
+    def keep_drafting(self, view: RoundView, drafted: int) -> bool:
+        return True
+
+    def observe(self, view: RoundView) -> None:
+        pass
+
+    def forget(self, seq_id: int) -> None:
+        pass
+
+
+def _registry() -> dict[str, Callable[..., WindowPolicy]]:
+    from dspark.runtime.dflash.dwc import DynamicWindow
+    from dspark.runtime.dflash.goodput import GoodputWindow
+
+    return {"fixed": FixedWindow, "dflash": DynamicWindow, "goodput": GoodputWindow}
+
+
+def make_policy(name: str, **kwargs) -> WindowPolicy:
+    """kwargs: window (fixed), config (WindowConfig), costs (CostModel) as each needs."""
+    policies = _registry()
+    if name not in policies:
+        raise DSparkError(f"unknown window policy {name!r} (known: {', '.join(sorted(policies))})")
+    return policies[name](**kwargs)

@@ -1,0 +1,100 @@
+"""Which sequences run this step, and how much prompt each may feed (TAS, admission).
+
+    admit:  tenants take turns by virtual time (tokens served / weight), FIFO within a
+            tenant; a sequence is admitted only if its worst-case KV blocks fit
+    plan:   every decoding sequence runs; prompts are fed in chunks, shortest remaining
+            first (aged, so long prompts are not starved), at most `prefill_tokens` per step
+A long prompt is cut into chunks so a short request arriving behind it waits for one chunk,
+not for the whole prompt.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from dspark.runtime.config import DFlashConfig
+from dspark.runtime.memory_plan import MemoryPlan
+from dspark.runtime.request import Sequence
+
+
+class Scheduler:
+    def __init__(self, plan: MemoryPlan, config: DFlashConfig, max_batch: int,
+                 prefill_tokens: int = 256):
+        self.plan = plan
+        self.config = config
+        self.max_batch = max_batch
+        self.prefill_tokens = prefill_tokens
+        self.waiting: dict[str, deque[Sequence]] = {}
+        self.running: list[Sequence] = []
+        self.reserved: dict[int, int] = {}  # worst-case blocks of each running sequence
+        self.served: dict[str, float] = {}  # tokens served per tenant, over its weight
+        self.steps = 0
+
+    def weight(self, tenant: str) -> float:
+        return next((t.weight for t in self.config.tenants if t.name == tenant), 1.0)
+
+    def submit(self, seq: Sequence) -> None:
+        seq.waited_from = self.steps
+        if seq.tenant not in self.served:  # a newcomer starts level with the others
+            self.served[seq.tenant] = min(self.served.values(), default=0.0)
+        self.waiting.setdefault(seq.tenant, deque()).append(seq)
+
+    @property
+    def pending(self) -> int:
+        return sum(len(q) for q in self.waiting.values())
+
+    def _need(self, seq: Sequence) -> int:
+        return -(-(seq.prompt_len + seq.request.max_tokens) // self.plan.block_size)
+
+    def admit(self) -> list[Sequence]:
+        admitted = []
+        while len(self.running) < self.max_batch:
+            tenants = [t for t, q in self.waiting.items() if q]
+            if not tenants:
+                break
+            tenant = min(tenants, key=lambda t: (self.served.get(t, 0.0), t))
+            seq = self.waiting[tenant][0]
+            need = self._need(seq)
+            if sum(self.reserved.values()) + need > self.plan.num_blocks:
+                break
+            self.waiting[tenant].popleft()
+            self.reserved[seq.id] = need
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def plan_step(self) -> list[Sequence]:
+        """The running sequences that advance this step, with their prompt chunks set."""
+        self.steps += 1
+        prefilling = sorted((s for s in self.running if s.prefilling), key=self._urgency)
+        budget, batch = self.prefill_tokens, []
+        for seq in self.running:
+            if not seq.prefilling:
+                seq.chunk = seq.uncached
+                batch.append(seq)
+        for seq in prefilling:
+            seq.chunk = min(seq.uncached, budget)
+            budget -= seq.chunk
+            if seq.chunk:
+                batch.append(seq)
+        return batch
+
+    def _urgency(self, seq: Sequence) -> tuple[float, float]:
+        """Shortest remaining prompt first; each step waited takes 8 tokens off (aging)."""
+        aged = seq.uncached - 8 * (self.steps - seq.waited_from)
+        return (aged / self.weight(seq.tenant), seq.id)
+
+    def account(self, seq: Sequence, tokens: int) -> None:
+        self.served[seq.tenant] = self.served.get(seq.tenant, 0.0) + tokens / self.weight(
+            seq.tenant)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq.id in self.reserved:
+            del self.reserved[seq.id]
+            self.running.remove(seq)
+
+    def cancel(self, seq: Sequence) -> None:
+        queue = self.waiting.get(seq.tenant)
+        if queue and seq in queue:
+            queue.remove(seq)
+        self.finish(seq)
