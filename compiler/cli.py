@@ -36,12 +36,21 @@ def cli() -> None:
 @click.option("--block-size", type=click.Choice(["16", "32", "64", "128"]), default="16",
               show_default=True)
 @click.option("--max-seq-len", type=click.IntRange(min=1), default=2048, show_default=True)
+@click.option("--extra-draft", "extra", multiple=True, metavar="NAME=PATH",
+              help="another draft the runtime may switch to (repeatable)")
 @click.option("--json", "as_json", is_flag=True, help="print the manifest as JSON")
 def compile_cmd(main: Path, draft: Path, out: Path, tokenizer: Path | None, force: bool,
-                kv_budget_mb: float, block_size: str, max_seq_len: int, as_json: bool) -> None:
+                kv_budget_mb: float, block_size: str, max_seq_len: int, extra: tuple[str, ...],
+                as_json: bool) -> None:
     """Compile MAIN and DRAFT (ONNX, with KV-cache I/O) into the bundle OUT."""
+    extras = []
+    for item in extra:
+        name, sep, path = item.partition("=")
+        if not sep or not path:
+            raise click.BadParameter(f"{item!r}: expected NAME=PATH", param_hint="--extra-draft")
+        extras.append((name, Path(path)))
     opts = CompileOptions(main, draft, out, tokenizer, force, kv_budget_mb, int(block_size),
-                          max_seq_len)
+                          max_seq_len, tuple(extras))
     progress = Progress()
     manifest = compile_bundle(opts, progress)
     if as_json:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from dspark.runtime.memory_plan import plan_memory
 from dspark.runtime.version import BUNDLE_FORMAT_VERSION, __version__
 
 ROLES = ("main", "draft")
+EXTRA_DRAFT = re.compile(r"[a-z0-9_]{1,32}$")
 
 
 @dataclass(frozen=True)
@@ -36,13 +38,29 @@ class CompileOptions:
     kv_budget_mb: float = 512.0
     block_size: int = 16
     max_seq_len: int = 2048
+    extra_drafts: tuple[tuple[str, Path], ...] = ()  # (name, path): role "draft_<name>"
+
+    def __post_init__(self) -> None:
+        names = [n for n, _ in self.extra_drafts]
+        for name in names:
+            if not EXTRA_DRAFT.match(name):
+                raise DSparkError(f"--extra-draft {name}: a name is 1-32 of a-z, 0-9, _")
+        if len(set(names)) != len(names):
+            raise DSparkError(f"--extra-draft names must be unique, got {names}")
 
     def flags(self) -> dict:
         return {"kv_budget_mb": self.kv_budget_mb, "block_size": self.block_size,
-                "max_seq_len": self.max_seq_len}
+                "max_seq_len": self.max_seq_len,
+                "extra_drafts": [n for n, _ in self.extra_drafts]}
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return (*ROLES, *(f"draft_{n}" for n, _ in self.extra_drafts))
 
     def model_path(self, role: str) -> Path:
-        return self.main if role == "main" else self.draft
+        paths = {"main": self.main, "draft": self.draft}
+        paths.update({f"draft_{n}": p for n, p in self.extra_drafts})
+        return paths[role]
 
 
 def _digest(contract: InputContract) -> dict:
@@ -66,9 +84,10 @@ def _check_vocab(paths: dict[str, Path], vocab: dict[str, int | None]) -> None:
 
 def check_inputs(opts: CompileOptions) -> tuple[dict[str, InputContract], Path | None]:
     contracts = {r: check_contract(opts.model_path(r), load_header(opts.model_path(r)))
-                 for r in ROLES}
-    _check_vocab({r: c.path for r, c in contracts.items()},
-                 {r: c.vocab_size for r, c in contracts.items()})
+                 for r in opts.roles}
+    for role in opts.roles[1:]:
+        _check_vocab({"main": opts.main, "draft": opts.model_path(role)},
+                     {"main": contracts["main"].vocab_size, "draft": contracts[role].vocab_size})
     tokenizer = find_tokenizer(opts.tokenizer, opts.main)
     if tokenizer is not None:
         tokenizer_vocab_size(tokenizer)
@@ -80,11 +99,14 @@ def compile_bundle(opts: CompileOptions, progress: Progress) -> dict:
     """Compile and publish the bundle; returns the manifest."""
     contracts, tokenizer = check_inputs(opts)
     with tempfile.TemporaryDirectory(prefix="dsc-") as work, staged_bundle(opts.out) as tmp:
-        specs = {r: compile_model(contracts[r], r, Path(work), tmp, progress) for r in ROLES}
+        specs = {r: compile_model(contracts[r], r, Path(work), tmp, progress)
+                 for r in opts.roles}
         vocab = {r: s.vocab_size for r, s in specs.items()}
-        _check_vocab({r: c.path for r, c in contracts.items()}, vocab)
+        for role in opts.roles[1:]:
+            _check_vocab({"main": opts.main, "draft": opts.model_path(role)},
+                         {"main": vocab["main"], "draft": vocab[role]})
         with progress.stage("layout"):
-            plan = plan_memory([specs[r] for r in ROLES], int(opts.kv_budget_mb * 2**20),
+            plan = plan_memory([specs[r] for r in opts.roles], int(opts.kv_budget_mb * 2**20),
                                opts.block_size, opts.max_seq_len)
             (tmp / MEMORY_PLAN_FILE).write_bytes(dump_json(plan.to_dict()))
         with progress.stage("kernels"):
@@ -97,7 +119,7 @@ def compile_bundle(opts: CompileOptions, progress: Progress) -> dict:
         manifest = {
             "format_version": BUNDLE_FORMAT_VERSION,
             "compiler": {"name": "dsc", "version": __version__},
-            "inputs": {r: _digest(contracts[r]) for r in ROLES},
+            "inputs": {r: _digest(contracts[r]) for r in opts.roles},
             "flags": opts.flags(),
             "models": {r: s.to_dict() for r, s in specs.items()},
             "tokenizer": tokenizer_files,

@@ -13,8 +13,8 @@ def inspect_dict(bundle: Bundle) -> dict:
         "compiler": bundle.manifest["compiler"],
         "inputs": bundle.manifest["inputs"],
         "flags": bundle.manifest["flags"],
-        "models": {r: _model_summary(bundle.models[r]) for r in ("main", "draft")
-                   if r in bundle.models},
+        "models": {r: _model_summary(bundle.models[r]) for r in sorted(
+            bundle.models, key=lambda r: (r != "main", r != "draft", r))},
         "memory_plan": bundle.plan.to_dict(),
         "config": bundle.config.to_dict(),
         "kernels": sorted(f for f in bundle.manifest["files"] if f.startswith("kernels/")),

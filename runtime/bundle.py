@@ -60,6 +60,13 @@ class Bundle:
         return self.models[role]
 
     @property
+    def drafts(self) -> dict[str, int]:
+        """Draft roles ("draft", "draft_<name>") with their weight bytes."""
+        files = self.manifest["files"]
+        return {r: files.get(s.weights_file, {}).get("size", 0)
+                for r, s in self.models.items() if r.startswith("draft")}
+
+    @property
     def tokenizer_dir(self) -> Path | None:
         d = self.root / TOKENIZER_DIR
         return d if (d / "tokenizer.json").is_file() else None

@@ -120,7 +120,7 @@ class ResourceConfig:
 
     table: tuple[ResourceRow, ...] = (
         ResourceRow("A10G", 4), ResourceRow("A100", 6), ResourceRow("H100", 8),
-        ResourceRow("H200", 8), ResourceRow("cpu", 4),
+        ResourceRow("H200", 8), ResourceRow("cpu", 8),
     )
     degrade_usage: float = 0.85
     degrade_after_s: float = 300.0

@@ -18,9 +18,12 @@ import numpy as np
 from dspark.runtime.acceptance import Acceptance, accept_greedy, accept_sampled
 from dspark.runtime.bundle import Bundle
 from dspark.runtime.config import DFlashConfig
+from dspark.runtime.dflash.che import CacheHealth
 from dspark.runtime.dflash.costs import CostModel
 from dspark.runtime.dflash.goodput import select_slots
 from dspark.runtime.dflash.policy import RoundView, WindowPolicy, make_policy
+from dspark.runtime.dflash.ras import ResourceManager, probe_device
+from dspark.runtime.dflash.reload import ConfigWatcher
 from dspark.runtime.dflash.vlb import VerifyBalancer
 from dspark.runtime.drafting import run_drafts
 from dspark.runtime.errors import DSparkError
@@ -34,14 +37,17 @@ from dspark.runtime.scheduler import Scheduler
 class Engine:
     def __init__(self, bundle: Bundle, policy: str | None = None, window: int | None = None,
                  max_batch: int = 16, eos_ids: tuple[int, ...] = (),
-                 decode: Callable[[list[int]], str] | None = None, prefill_tokens: int = 256):
+                 decode: Callable[[list[int]], str] | None = None, prefill_tokens: int = 256,
+                 config: DFlashConfig | None = None):
         self.bundle = bundle
         self.plan = bundle.plan
-        self.config: DFlashConfig = bundle.config
+        self.config: DFlashConfig = config or bundle.config
         self.costs = CostModel()
         self.arena = KVArena(self.plan)
         self.main = ModelRunner(bundle, "main", self.arena, self.costs)
-        self.draft = ModelRunner(bundle, "draft", self.arena, self.costs)
+        self.drafts = {r: ModelRunner(bundle, r, self.arena, self.costs) for r in bundle.drafts}
+        self.resources = ResourceManager(self.config.resources, probe_device(), bundle.drafts)
+        self.draft = self.drafts[self.resources.draft]
         self.vocab_size = bundle.model("main").vocab_size
         self.policy_name = policy or self.config.window.policy
         self.fixed_window = window or self.config.window.initial
@@ -51,11 +57,28 @@ class Engine:
         self.eos_ids = frozenset(eos_ids)
         self.decode = decode
         self.ids = itertools.count()
-        self.ras_cap = self.config.window.max_window
+        self.health = CacheHealth(self.arena, self.config.cache_health)
+        self.watcher: ConfigWatcher | None = None
+
+    def watch_config(self, path) -> None:
+        """Hot-reload `path` (the bundle's dflash_config.json or --config) between steps."""
+        self.watcher = ConfigWatcher(path, self.config)
+
+    def apply_config(self, config: DFlashConfig) -> None:
+        """Swap in a validated config; called between steps only."""
+        self.config = config
+        self.scheduler.config = config
+        self.balancer.config = config.verify_balance
+        self.health.config = config.cache_health
+        self.resources.config = config.resources
+        for policy in self.policies.values():
+            if hasattr(policy, "config"):
+                policy.config = config.window
 
     # -- the loop ---------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """One engine step; returns the sequences it advanced (finished ones included)."""
+        self.maintain()
         for seq in self.scheduler.admit():
             self.arena.add_sequence(seq.id)
         batch = self.scheduler.plan_step()
@@ -66,6 +89,27 @@ class Engine:
                 self.advance(seq, rows)
             self.retire(batch)
         return batch
+
+    def maintain(self) -> None:
+        """Between steps: config reload, cache health, resources (nothing reads the arena)."""
+        if self.watcher is not None and (config := self.watcher.poll()) is not None:
+            self.apply_config(config)
+        self.health.maybe_run()
+        usage = self.arena.used_blocks / self.plan.num_blocks
+        if self.resources.tick(time.perf_counter(), usage):
+            self.arena.delta_log = not self.resources.degraded
+            self.switch_draft(self.resources.draft)
+
+    def switch_draft(self, role: str) -> None:
+        """Use another draft from the next round on; its cache starts empty (sequences catch
+        up in chunks), held drafts of the old one are dropped. Output is unaffected."""
+        if self.draft.role == role:
+            return
+        old, self.draft = self.draft.pool, self.drafts[role]
+        for seq in self.scheduler.running:
+            self.arena.rollback(seq.id, old, 0)
+            seq.draft_cached = 0
+            seq.drafts, seq.draft_probs, seq.draft_conf = [], [], []
 
     def submit(self, request: GenerationRequest) -> Sequence:
         self.check(request)
@@ -107,7 +151,7 @@ class Engine:
                       self.config.window.max_window)
         req = seq.request
         return max(0, min(self.config.window.max_window, tenant, req.max_window or 64,
-                          self.ras_cap, req.max_tokens - len(seq.generated) - 1))
+                          self.resources.window_cap, req.max_tokens - len(seq.generated) - 1))
 
     def view(self, seq: Sequence) -> RoundView:
         return RoundView(seq.id, seq.tenant, seq.prompt_len, len(seq.generated), seq.stats,
@@ -155,6 +199,7 @@ class Engine:
             done = s.main_cached + len(feed) == len(s.tokens)
             chunks.append((s.id, s.main_cached, feed + (s.drafts[:s.verify] if done else [])))
             rows.append(s.verify + 1 if done else 0)
+        self.health.observe_batch([s.id for s in batch])
         t0 = time.perf_counter()
         logits = self.main.forward(chunks, rows)
         self.balancer.observe(sum(len(c[2]) for c in chunks), time.perf_counter() - t0)
@@ -189,7 +234,7 @@ class Engine:
         self.arena.rollback(seq.id, "main", seq.main_cached)
         if seq.draft_cached > same:
             seq.draft_cached = same
-            self.arena.rollback(seq.id, "draft", same)
+            self.arena.rollback(seq.id, self.draft.pool, same)
         held = k + 1 if keep_held else len(drafts)
         seq.drafts, seq.draft_probs = drafts[held:], seq.draft_probs[held:]
         seq.draft_conf = seq.draft_conf[held:]
@@ -204,6 +249,7 @@ class Engine:
             seq.tokens.append(token)
             if seq.first_token_at is None:
                 seq.first_token_at = time.perf_counter()
+                seq.first_token_step = self.scheduler.steps
             if len(seq.generated) >= req.max_tokens:
                 seq.finish_reason = "length"
             if req.stop and self.decode is not None:

@@ -6,8 +6,9 @@
       pool "draft": ...
 A sequence's block table is shared by both pools: logical block b holds positions
 [b*block_size, (b+1)*block_size) in main and draft alike. Rolling back is O(1): it sets a
-length and returns whole blocks past the longer of the two lengths to the free list.
-Rejected slots are never copied or cleared; the next append overwrites them.
+length; rejected slots are never copied or cleared (the next append overwrites them) and
+their blocks stay with the sequence as slack, reused by its next drafts. Cache health
+(dflash/che.py) releases slack and moves blocks to close holes, between engine steps.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class KVArena:
         self.buffer = torch.zeros(plan.total_bytes, dtype=torch.uint8)
         self.pools = {p.role: Pool(self.buffer, p, plan) for p in plan.pools}
         self.free: list[int] = list(range(plan.num_blocks))  # a heap: lowest ids first
+        self.owner: dict[int, int] = {}  # block -> sequence
         self.tables: dict[int, BlockTable] = {}
         self.delta_log = delta_log
 
@@ -87,7 +89,38 @@ class KVArena:
     def release(self, seq_id: int) -> None:
         """The sequence is done (finished or cancelled): all its blocks go back."""
         for b in self.tables.pop(seq_id).blocks:
-            heapq.heappush(self.free, b)
+            self._free(b)
+
+    def _free(self, block: int) -> None:
+        del self.owner[block]
+        heapq.heappush(self.free, block)
+
+    def needed_blocks(self, seq_id: int) -> int:
+        table = self.tables[seq_id]
+        return -(-max(table.lengths.values(), default=0) // self.block_size)
+
+    def release_slack(self, seq_id: int) -> int:
+        """Return the blocks past both lengths (left by rejected drafts); how many."""
+        table, keep = self.tables[seq_id], self.needed_blocks(seq_id)
+        freed = len(table.blocks) - keep
+        while len(table.blocks) > keep:
+            self._free(table.blocks.pop())
+        return freed
+
+    def move_block(self, src: int, dst: int) -> None:
+        """Copy block `src` to the free block `dst` in every pool and layer; retarget its
+        owner's table. Only between forwards (nothing may be reading the arena)."""
+        self.free.remove(dst)
+        heapq.heapify(self.free)
+        for pool in self.pools.values():
+            for layer in range(len(pool.k)):
+                pool.k[layer][dst] = pool.k[layer][src]
+                pool.v[layer][dst] = pool.v[layer][src]
+        seq = self.owner[src]
+        blocks = self.tables[seq].blocks
+        blocks[blocks.index(src)] = dst
+        self.owner[dst] = seq
+        self._free(src)
 
     def reserve(self, seq_id: int, role: str, start: int, count: int) -> None:
         """Make room for positions [start, start+count) of `role`; logs the write."""
@@ -96,19 +129,17 @@ class KVArena:
         while len(table.blocks) < need:
             if not self.free:
                 raise ArenaFullError("KV arena full: no free block (raise --kv-budget-mb)")
-            table.blocks.append(heapq.heappop(self.free))
+            block = heapq.heappop(self.free)
+            self.owner[block] = seq_id
+            table.blocks.append(block)
         table.lengths[role] = start + count
         if self.delta_log:
             table.log.append(Delta(role, start, count, count))
 
     def rollback(self, seq_id: int, role: str, length: int) -> None:
-        """Keep the first `length` positions of `role`; O(1) apart from freeing whole blocks."""
+        """Keep the first `length` positions of `role`: O(1), a length and a log entry."""
         table = self.tables[seq_id]
-        before = table.length(role)
-        table.lengths[role] = min(length, before)
+        table.lengths[role] = min(length, table.length(role))
         if self.delta_log and table.log and table.log[-1].role == role:
             last = table.log[-1]
             table.log[-1] = Delta(role, last.start, last.written, max(0, length - last.start))
-        keep = -(-max(table.lengths.values(), default=0) // self.block_size)
-        while len(table.blocks) > keep:
-            heapq.heappush(self.free, table.blocks.pop())

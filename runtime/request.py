@@ -104,6 +104,7 @@ class Sequence:
         self.text_end: int | None = None  # set when a stop string cut the text
         self.submitted = time.perf_counter()
         self.first_token_at: float | None = None
+        self.first_token_step: int | None = None
         self.finished_at: float | None = None
 
     @property

@@ -46,8 +46,9 @@ def test_reserve_rollback_release(arena):
     arena.reserve(1, "main", 0, 5)  # 1 block
     arena.reserve(0, "draft", 0, 33)  # the shared table grows to 3 blocks
     assert arena.tables[0].blocks == [0, 1, 3] and arena.tables[1].blocks == [2]
-    arena.rollback(0, "draft", 18)  # back to 2 blocks: block 3 is free again
-    assert arena.tables[0].blocks == [0, 1] and arena.free_blocks == 9
+    arena.rollback(0, "draft", 18)  # O(1): block 3 stays as slack until compaction
+    assert arena.tables[0].blocks == [0, 1, 3] and arena.free_blocks == 8
+    assert arena.release_slack(0) == 1 and arena.tables[0].blocks == [0, 1]
     arena.reserve(0, "main", 20, 5)
     arena.rollback(0, "main", 21)  # 4 rejected slots released, none copied
     assert arena.tables[0].lengths == {"main": 21, "draft": 18}

@@ -1,0 +1,67 @@
+"""Hot reload of dflash_config.json: on change (mtime, polled between steps) and on SIGHUP.
+
+A new file is validated in full before anything changes; the engine swaps it in between two
+steps. An invalid file (bad JSON, unknown field, value out of range) keeps the running config,
+logs the field path and the problem, and counts an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+
+from dspark.runtime.config import ConfigError, DFlashConfig, load_config
+
+log = logging.getLogger("dspark.reload")
+POLL_S = 0.25
+
+
+class ConfigWatcher:
+    def __init__(self, path: Path, config: DFlashConfig):
+        self.path = Path(path)
+        self.config = config
+        self.stamp = self._stamp()
+        self.requested = False
+        self.last_poll = 0.0
+        self.reloads = {"ok": 0, "error": 0}
+        self.last_error: str | None = None
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGHUP, self._on_sighup)
+
+    def _on_sighup(self, *_) -> None:
+        self.requested = True
+
+    def _stamp(self) -> tuple[int, int] | None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size)
+
+    def poll(self, force: bool = False) -> DFlashConfig | None:
+        """A newly validated config if the file changed (or SIGHUP came), else None."""
+        now = time.perf_counter()
+        if not (force or self.requested) and now - self.last_poll < POLL_S:
+            return None
+        self.last_poll = now
+        stamp = self._stamp()
+        if not (force or self.requested) and stamp == self.stamp:
+            return None
+        self.requested, self.stamp = False, stamp
+        try:
+            config = load_config(self.path)
+        except ConfigError as e:
+            self.reloads["error"] += 1
+            self.last_error = str(e)
+            log.error("config reload rejected, keeping the running config: %s", e)
+            return None
+        self.reloads["ok"] += 1
+        self.last_error = None
+        if config == self.config:
+            return None
+        self.config = config
+        log.info("config reloaded from %s", self.path)
+        return config

@@ -1,0 +1,194 @@
+"""The DFlash policies on their own: DWC rules (the seed's worked example), goodput's slot
+selection, VLB lanes, cache health repairs, hot reload of the config."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from test_kv_arena import arena  # noqa: F401 - the fixture
+
+from dspark.runtime.config import (
+    CacheHealthConfig,
+    DFlashConfig,
+    VerifyBalanceConfig,
+    WindowConfig,
+)
+from dspark.runtime.dflash.che import CacheHealth, hit_rate, measure
+from dspark.runtime.dflash.costs import CostModel
+from dspark.runtime.dflash.dwc import DynamicWindow
+from dspark.runtime.dflash.goodput import select_slots
+from dspark.runtime.dflash.policy import RoundView, make_policy
+from dspark.runtime.dflash.reload import ConfigWatcher
+from dspark.runtime.dflash.vlb import VerifyBalancer
+from dspark.runtime.errors import DSparkError
+from dspark.runtime.request import SeqStats
+
+
+def _view(generated, prompt=2000, top1=(), entropy=(), cap=8, seq=0, window=0, accepted=0):
+    stats = SeqStats(draft_top1=list(top1), draft_entropy=list(entropy), last_window=window,
+                     last_accepted=accepted)
+    return RoundView(seq, "default", prompt, generated, stats, cap)
+
+
+CERTAIN = dict(top1=(0.97, 0.96, 0.97, 0.95), entropy=(0.3, 0.4, 0.3, 0.35))  # flat, peaked
+FLAT_UNSURE = dict(top1=(0.6, 0.62, 0.6, 0.61), entropy=(0.95, 1.0, 0.9, 1.0))
+JUMPY = dict(top1=(0.9, 0.3, 0.8, 0.2), entropy=(0.5, 0.9, 0.6, 1.0))
+
+
+@pytest.mark.parametrize("generated,signals,want", [
+    (0, {}, 4),  # first round: no statistics yet
+    (150, CERTAIN, 4),  # the seed: PLNP 0.075 < 0.3 keeps the conservative 4 ...
+    (299, CERTAIN, 4),  # ... over the first 300 tokens of a 2000-token prompt
+    (600, JUMPY, 6),  # PLNP 0.3: the golden zone starts at 6
+    (900, FLAT_UNSURE, 7),  # the middle, a flat slope: 7
+    (900, CERTAIN, 8),  # highly certain stretches: flat slope and top-3 entropy < 0.85: 8
+    (1400, CERTAIN, 8),  # PLNP 0.7 still inside
+    (1401, CERTAIN, 3),  # beyond 0.7 the window shrinks to 3
+])
+def test_dwc_seed_worked_example(generated, signals, want):
+    assert DynamicWindow().window(_view(generated, **signals)) == want
+
+
+def test_dwc_caps_and_bounds():
+    dwc = DynamicWindow(WindowConfig(min_window=2))
+    assert dwc.window(_view(900, cap=5, **CERTAIN)) == 5  # tenant/request/RAS cap
+    assert dwc.window(_view(1500, cap=1, **CERTAIN)) == 2  # min_window is a floor
+
+
+def test_dwc_degrade_mode_and_recovery():
+    dwc = DynamicWindow()
+    v = _view(900, **CERTAIN)
+    for _ in range(3):  # half rejected each round: EWMA (2/11) 0.09, 0.17, 0.23
+        dwc.observe(_view(900, window=4, accepted=2, **CERTAIN))
+    assert not dwc.states[0].degraded
+    dwc.observe(_view(900, window=4, accepted=2, **CERTAIN))  # 0.28 > 0.25
+    assert dwc.states[0].degraded and dwc.window(v) == 2
+    for i in range(4):  # a rejection resets the count of clean rounds
+        dwc.observe(_view(900, window=2, accepted=2 if i != 2 else 1, **CERTAIN))
+    assert dwc.states[0].degraded
+    for _ in range(5):
+        dwc.observe(_view(900, window=2, accepted=2, **CERTAIN))
+    assert not dwc.states[0].degraded and dwc.window(v) == 8
+
+
+def test_policy_registry():
+    assert make_policy("fixed", window=3).window(_view(10)) == 3
+    with pytest.raises(DSparkError, match="unknown window policy 'nope' .*dflash, fixed, goodput"):
+        make_policy("nope")
+
+
+def _costs():
+    costs = CostModel()
+    for tokens, ms in ((1, 20), (2, 21), (4, 23), (8, 28), (16, 38), (32, 60), (64, 105)):
+        costs.record("main", tokens, ms / 1000)
+    costs.record("draft", 1, 0.010)
+    return costs
+
+
+def test_goodput_selects_slots_by_survival():
+    costs = _costs()
+    # nearly sure drafts are all worth verifying; improbable ones are not
+    assert select_slots([[0.95, 0.9, 0.86, 0.8]], 1, costs) == [4]
+    assert select_slots([[0.05, 0.01]], 1, costs) == [0]
+    keep = select_slots([[0.9, 0.8, 0.7], [0.3, 0.1, 0.05], [0.99, 0.98, 0.97]], 3, costs)
+    assert keep[2] == 3 and keep[0] >= keep[1]
+
+
+def test_goodput_stops_drafting_when_it_does_not_pay():
+    policy = make_policy("goodput", costs=_costs())
+    sure = _view(50, prompt=100, top1=(0.95, 0.95, 0.95))
+    unsure = _view(50, prompt=100, top1=(0.2, 0.2, 0.2))
+    assert policy.keep_drafting(sure, 3) and not policy.keep_drafting(unsure, 2)
+    low = _view(50, prompt=100, window=4, accepted=0, top1=(0.1,) * 4)
+    low.stats.draft_tokens = 40  # a history of near-zero acceptance
+    windows = [policy.window(low) for _ in range(10)]
+    assert windows[:8] == [0] * 8 and windows[8] == 8  # plain, but re-measures every 8 rounds
+
+
+def test_vlb_lanes_follow_utilisation():
+    costs = _costs()
+    vlb = VerifyBalancer(VerifyBalanceConfig(), costs)
+    assert vlb.admit(0) == 0 and vlb.admit(6) == 3  # idle: fast lane + 2 steady
+    peak = vlb.peak()
+    for _ in range(20):  # saturating throughput for a while
+        vlb.observe(int(peak * 0.2), 0.2)
+    assert vlb.utilisation > 0.85 and vlb.admit(6) == 1  # hold the steady lane
+    vlb.utilisation = 0.7
+    assert vlb.admit(6) == 2
+
+
+def test_che_seed_example_restores_health(arena):  # noqa: F811
+    """A finished sequence leaves a hole; three consecutive rejections leave slack."""
+    che = CacheHealth(arena, CacheHealthConfig())
+    for s, tokens in enumerate((32, 64, 20)):  # blocks 0-1, 2-5, 6-7
+        arena.add_sequence(s)
+        arena.reserve(s, "main", 0, tokens)
+    arena.release(1)  # blocks 2-5 free: a hole between 0-1 and 6-7
+    for _ in range(3):  # three rounds whose 8 drafts were all rejected
+        start = arena.tables[2].lengths["main"]
+        arena.reserve(2, "main", start, 8 + 16)
+        arena.rollback(2, "main", start)
+    marker = arena.tables[2].blocks[0]
+    arena.pools["main"].k[1][marker].fill_(7.0)
+    before = measure(arena)
+    assert before.kdr < 0.75 and before.vfi > 0.12, before
+    after = che.run()
+    assert after.kdr >= 0.75 and after.vfi <= 0.12, after
+    moved = arena.tables[2].blocks[0]
+    assert moved != marker and torch.all(arena.pools["main"].k[1][moved] == 7.0)
+    assert che.compactions == 1 and che.defrag_moves > 0
+    assert hit_rate([[3, 4, 5], [9, 2]]) == 0.8  # 2 is the only block off its run
+
+
+def test_config_reload_keeps_the_running_config_on_errors(tmp_path):
+    path = tmp_path / "dflash_config.json"
+    path.write_text(json.dumps(DFlashConfig().to_dict()))
+    watcher = ConfigWatcher(path, DFlashConfig())
+    assert watcher.poll(force=True) is None  # unchanged content
+    data = DFlashConfig().to_dict()
+    data["window"]["initial"] = 6
+    path.write_text(json.dumps(data))
+    new = watcher.poll(force=True)
+    assert new is not None and new.window.initial == 6 and watcher.reloads["ok"] == 2
+    data["window"]["policy"] = "warp"
+    path.write_text(json.dumps(data))
+    assert watcher.poll(force=True) is None
+    assert watcher.reloads["error"] == 1 and "window.policy" in watcher.last_error
+    path.write_text("{broken")
+    assert watcher.poll(force=True) is None and "not valid JSON" in watcher.last_error
+    assert watcher.config.window.initial == 6
+
+
+def test_health_repairs_do_not_change_output(fixture_pairs, compiled):
+    """Aggressive CHE (compact and defragment between every step) on a batch whose
+    sequences finish at different times: same tokens as the original model."""
+    from dspark.compiler.reference import OriginalModel
+    from dspark.runtime.bundle import open_bundle
+    from dspark.runtime.engine import Engine
+    from dspark.runtime.request import GenerationRequest
+
+    main, _ = fixture_pairs[("llama", "dynamo")]
+    engine = Engine(open_bundle(compiled[("llama", "dynamo")]), "fixed", 8)
+    engine.apply_config(DFlashConfig(cache_health=CacheHealthConfig(
+        interval_ms=10, kdr_min=1.0, vfi_max=0.0001)))
+    engine.health.config = CacheHealthConfig(interval_ms=10, kdr_min=1.0, vfi_max=0.0001)
+    engine.health.last_run = -1.0
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in (20, 3, 40, 7, 60, 11)]
+    lengths = [70, 10, 55, 25, 80, 40]
+    original = OriginalModel(main)
+    import time
+
+    def step_slowly():  # let CHE's interval pass between steps
+        time.sleep(0.011)
+        return Engine.step(engine)
+
+    engine.step = step_slowly
+    seqs = engine.generate([GenerationRequest(tuple(p), n) for p, n in zip(prompts, lengths)])
+    for p, n, seq in zip(prompts, lengths, seqs):
+        assert seq.generated == original.greedy(p, n)
+    assert engine.health.defrag_moves > 0 and engine.health.compactions > 0
+    assert engine.arena.free_blocks == engine.plan.num_blocks

@@ -1,0 +1,128 @@
+"""DFlash inside a running engine: resources (probe, degrade, recover with two drafts),
+tenant fairness, and config hot reload, each without changing output."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from dspark.compiler.compile import CompileOptions, compile_bundle
+from dspark.compiler.progress import Progress
+from dspark.compiler.reference import OriginalModel
+from dspark.runtime.bundle import open_bundle
+from dspark.runtime.config import DFlashConfig, ResourceConfig, ResourceRow, TenantConfig
+from dspark.runtime.dflash.ras import Device, match_row, probe_device
+from dspark.runtime.engine import Engine
+from dspark.runtime.request import GenerationRequest
+
+
+@pytest.fixture(scope="module")
+def two_drafts(fixture_pairs, tmp_path_factory):
+    """llama main with itself as the big draft and its 1-layer draft as the small one."""
+    main, small = fixture_pairs[("llama", "classic")]
+    out = tmp_path_factory.mktemp("ras") / "two.dsmodel"
+    compile_bundle(CompileOptions(main, main, out, kv_budget_mb=1, max_seq_len=160,
+                                  extra_drafts=(("small", small),)), Progress(quiet=True))
+    return out, main
+
+
+def test_probe_and_table():
+    device = probe_device()
+    assert device.kind in ("cpu", "cuda") and device.cores >= 1 and device.name
+    cfg = ResourceConfig()
+    assert match_row(cfg, Device("cuda", "NVIDIA A100-SXM4-40GB", 40, 108)).window == 6
+    assert match_row(cfg, Device("cuda", "NVIDIA H100 80GB HBM3", 80, 132)).window == 8
+    assert match_row(cfg, Device("cuda", "NVIDIA A10G", 24, 80)).window == 4
+    assert match_row(cfg, Device("cpu", "AMD EPYC", 64, 2)).match == "cpu"
+
+
+def test_extra_draft_is_bundled(two_drafts):
+    bundle = open_bundle(two_drafts[0])
+    assert set(bundle.models) == {"main", "draft", "draft_small"}
+    assert {p.role for p in bundle.plan.pools} == {"main", "draft", "draft_small"}
+    assert bundle.drafts["draft_small"] < bundle.drafts["draft"]
+
+
+def test_ras_degrades_and_recovers_without_failing_requests(two_drafts):
+    path, main = two_drafts
+    config = DFlashConfig(resources=ResourceConfig(
+        table=(ResourceRow("cpu", 8),), degrade_usage=0.3, degrade_after_s=0.05))
+    engine = Engine(open_bundle(path), "fixed", 8, config=config, max_batch=8)
+    assert engine.draft.role == "draft" and engine.resources.window_cap == 8
+    original = OriginalModel(main)
+    rng = np.random.default_rng(2)
+    prompts = [[int(t) for t in rng.integers(0, 320, 20)] for _ in range(6)]
+    seqs = [engine.submit(GenerationRequest(tuple(p), 100)) for p in prompts]
+    modes = []
+    while engine.busy:
+        engine.step()
+        modes.append((engine.resources.degraded, engine.draft.role,
+                      engine.resources.window_cap, engine.arena.delta_log))
+        time.sleep(0.005)
+    assert (True, "draft_small", 6, False) in modes  # degraded: small draft, cap 6, no log
+    for p, seq in zip(prompts, seqs):
+        assert seq.generated == original.greedy(p, 100)
+    light = engine.submit(GenerationRequest((1, 2, 3), 40))
+    while engine.busy:
+        engine.step()
+        time.sleep(0.01)
+    assert not engine.resources.degraded and engine.draft.role == "draft"  # recovered
+    assert light.generated == original.greedy([1, 2, 3], 40)
+    assert engine.resources.switches >= 2
+
+
+def test_short_tenant_is_not_starved_by_long_prompts(compiled):
+    """The seed's case: one tenant sends long prompts, another short ones. Prompts are fed
+    in chunks, shortest remaining first, so the short tenant's first tokens come after as
+    many engine steps as when it is alone; the long prompts still finish (aging)."""
+    config = DFlashConfig(tenants=(TenantConfig("big", 8, 1.0), TenantConfig("small", 4, 1.0)))
+    bundle = open_bundle(compiled[("llama", "classic")])
+
+    def first_token_steps(with_big: bool) -> tuple[list[int], list]:
+        engine = Engine(bundle, "fixed", 4, config=config, prefill_tokens=64, max_batch=8)
+        big = [engine.submit(GenerationRequest(tuple([7 + i] * 420), 16, tenant="big"))
+               for i in range(3 if with_big else 0)]
+        if with_big:
+            engine.step()  # the long prompts are already being fed
+        start = engine.scheduler.steps
+        small = [engine.submit(GenerationRequest((5, 6, 7, 8) * 12, 8, tenant="small"))
+                 for _ in range(3)]
+        while engine.busy:
+            engine.step()
+        assert all(s.finish_reason == "length" for s in big + small)
+        return [s.first_token_step - start for s in small], big
+
+    alone, _ = first_token_steps(False)
+    shared, big = first_token_steps(True)
+    assert shared == alone, (alone, shared)
+    assert all(len(b.generated) == 16 for b in big)
+
+
+def test_config_hot_reload_under_a_running_engine(compiled, fixture_pairs, tmp_path):
+    bundle = open_bundle(compiled[("gpt2", "dynamo")])
+    path = tmp_path / "dflash_config.json"
+    path.write_text(json.dumps(bundle.config.to_dict()))
+    engine = Engine(bundle, "dflash")
+    engine.watch_config(path)
+    seq = engine.submit(GenerationRequest((1, 2, 3), 60))
+    for _ in range(5):
+        engine.step()
+    data = bundle.config.to_dict()
+    data["window"].update(max_window=2, initial=2)
+    path.write_text(json.dumps(data))
+    engine.watcher.requested = True  # as SIGHUP does; mtime polling also sees it
+    engine.step()
+    assert engine.config.window.max_window == 2 and engine.watcher.reloads["ok"] == 1
+    data["window"]["max_window"] = 99
+    path.write_text(json.dumps(data))
+    engine.watcher.requested = True
+    engine.step()
+    assert engine.config.window.max_window == 2 and engine.watcher.reloads["error"] == 1
+    while engine.busy:
+        engine.step()
+    assert seq.stats.last_window <= 2
+    original = OriginalModel(fixture_pairs[("gpt2", "dynamo")][0])
+    assert seq.generated == original.greedy([1, 2, 3], 60)
