@@ -19,7 +19,8 @@ from dspark.compiler.model_pipeline import compile_model
 from dspark.compiler.progress import Progress
 from dspark.compiler.tokenizer import copy_tokenizer, find_tokenizer, tokenizer_vocab_size
 from dspark.runtime.bundle import MEMORY_PLAN_FILE, TOKENIZER_DIR, dump_json
-from dspark.runtime.config import CONFIG_FILE, DFlashConfig
+from dspark.runtime.config import CONFIG_FILE, CONFIG_SCHEMA_FILE, DFlashConfig
+from dspark.runtime.config_schema import config_schema
 from dspark.runtime.errors import DSparkError, ModelInputError
 from dspark.runtime.memory_plan import plan_memory
 from dspark.runtime.version import BUNDLE_FORMAT_VERSION, __version__
@@ -116,6 +117,7 @@ def compile_bundle(opts: CompileOptions, progress: Progress) -> dict:
                 (tmp / "kernels" / rel).write_bytes(data)
         tokenizer_files = _write_tokenizer(tokenizer, tmp, vocab["main"])
         (tmp / CONFIG_FILE).write_bytes(dump_json(DFlashConfig().to_dict()))
+        (tmp / CONFIG_SCHEMA_FILE).write_bytes(dump_json(config_schema()))
         manifest = {
             "format_version": BUNDLE_FORMAT_VERSION,
             "compiler": {"name": "dsc", "version": __version__},

@@ -99,8 +99,71 @@ def run_bench(engine: Engine, tokenizer, prompts: list[dict], max_tokens: int,
     classes = sorted({p["class"] for p in prompts})
     per_class = [_summarise([[x for p in prompts if p["class"] == c for x in runs[(p["name"], m)]]
                              for m in ("plain", "spec")], w, name=c, cls=c) for c in classes]
-    return {"window": w, "max_tokens": max_tokens, "repeats": repeats,
-            "prompts": per_prompt, "classes": per_class}
+    return {"window": w, "policy": engine.policy_name, "max_tokens": max_tokens,
+            "repeats": repeats, "prompts": per_prompt, "classes": per_class}
+
+
+def parse_modes(text: str) -> list[tuple[str, str, int | None]]:
+    """"plain,fixed:1-8,dflash,goodput" -> [(label, policy, window)]; plain first."""
+    modes = [("plain", "plain", None)]
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        name, _, arg = item.partition(":")
+        if name == "plain":
+            continue
+        if name == "fixed" and arg:
+            lo, _, hi = arg.partition("-")
+            try:
+                windows = range(int(lo), int(hi or lo) + 1)
+            except ValueError:
+                raise DSparkError(f"--policies: bad window range {arg!r} in {item!r}") from None
+            modes += [(f"fixed:{w}", "fixed", w) for w in windows]
+        else:
+            modes.append((item, name, int(arg) if arg.isdigit() else None))
+    return modes
+
+
+def run_sweep(engine: Engine, tokenizer, prompts: list[dict], max_tokens: int, repeats: int,
+              modes: list[tuple[str, str, int | None]]) -> dict:
+    """Every prompt under every mode, modes rotated per repeat; medians per class and mode."""
+    ids = {p["name"]: _ids(tokenizer, p) for p in prompts}
+    for _, policy, window in modes:
+        if policy != "plain":
+            engine.set_policy(policy, window)
+    _one(engine, next(iter(ids.values())), 8, True)
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for r in range(repeats):
+        order = modes[r % len(modes):] + modes[:r % len(modes)]
+        for p in prompts:
+            for label, policy, window in order:
+                if policy != "plain":
+                    engine.set_policy(policy, window)
+                runs.setdefault((p["name"], label), []).append(
+                    _one(engine, ids[p["name"]], max_tokens, policy != "plain"))
+    rows = []
+    for cls in sorted({p["class"] for p in prompts}):
+        names = [p["name"] for p in prompts if p["class"] == cls]
+        plain = statistics.median(x["tps"] for n in names for x in runs[(n, "plain")])
+        for label, _, _ in modes:
+            xs = [x for n in names for x in runs[(n, label)]]
+            drafted, rounds = sum(x["drafted"] for x in xs), sum(x["rounds"] for x in xs)
+            tps = statistics.median(x["tps"] for x in xs)
+            rows.append({"class": cls, "mode": label, "tps": tps, "speedup": tps / plain,
+                         "acceptance_rate": sum(x["accepted"] for x in xs) / drafted
+                         if drafted else 0.0,
+                         "mean_window": drafted / rounds if rounds else 0.0,
+                         "identical": all(x["tokens"] == y["tokens"] for n in names
+                                          for x, y in zip(runs[(n, label)], runs[(n, "plain")]))})
+    return {"max_tokens": max_tokens, "repeats": repeats, "sweep": rows}
+
+
+def format_sweep(report: dict) -> str:
+    lines = [f"{report['max_tokens']} tokens, median of {report['repeats']} rotated runs",
+             f"{'class':<6}{'mode':<11}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'window':>8}  same"]
+    for row in report["sweep"]:
+        lines.append(f"{row['class']:<6}{row['mode']:<11}{row['tps']:>8.1f}{row['speedup']:>8.2f}x"
+                     f"{row['acceptance_rate']:>8.2f}{row['mean_window']:>8.2f}  "
+                     f"{'yes' if row['identical'] else 'NO'}")
+    return "\n".join(lines)
 
 
 def _summarise(modes: list[list[dict]], w: int, name: str, cls: str) -> dict:
@@ -108,6 +171,7 @@ def _summarise(modes: list[list[dict]], w: int, name: str, cls: str) -> dict:
     rounds = sum(x["rounds"] for x in spec)
     drafted, accepted = sum(x["drafted"] for x in spec), sum(x["accepted"] for x in spec)
     per_round = (accepted + rounds) / rounds if rounds else 1.0
+    w = drafted / rounds if rounds else w  # verified per round (VLB may hold some back)
     alpha = solve_alpha(per_round, w) if w else 0.0
     main_step = sum(x["main_s"] for x in plain) / max(1, sum(x["main_forwards"] for x in plain))
     draft_step = sum(x["draft_s"] for x in spec) / max(1, sum(x["draft_forwards"] for x in spec))

@@ -16,19 +16,49 @@ from dspark.runtime.sampling import SamplingParams
 from dspark.runtime.version import __version__
 
 PathArg = click.Path(path_type=Path)
-SERVE_PENDING = "serving is not yet implemented (lands with the serving issue); use dsrun generate"
+
+
+def serve_options(fn):
+    """The serving flags, shared by `dsrun --model B`, `dsrun serve` and ds-inference-server."""
+    options = [
+        click.option("--host", default="127.0.0.1", show_default=True),
+        click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True),
+        click.option("--api-key", help="require Authorization: Bearer KEY (or DSPARK_API_KEY)"),
+        click.option("--max-batch", type=click.IntRange(1, 1024), default=16, show_default=True),
+        click.option("--max-queue", type=click.IntRange(1, 100000), default=256,
+                     show_default=True, help="waiting requests before 429"),
+        click.option("--no-warmup", is_flag=True, help="skip the warm-up at start"),
+        click.option("--config", "config_path", type=PathArg, help="dflash_config.json to use"),
+        click.option("--policy", help="window policy (default: the config's)"),
+        click.option("--served-model-name", "name", help="model id in the API (default: "
+                     "the bundle's name)"),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _serve(model: Path, host, port, api_key, max_batch, max_queue, no_warmup, config_path,
+           policy, name) -> None:
+    from dspark.runtime.server.run import serve
+
+    click.echo(f"[dsrun] serving {model} on http://{host}:{port}/v1", err=True)
+    serve(model, host, port, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
+          warmup=not no_warmup, config=config_path, policy=policy, name=name)
 
 
 @click.group(invoke_without_command=True,
-             help="DSpark runtime: `dsrun --model B` serves; generate and bench run locally.")
+             help="DSpark runtime: `dsrun --model B` serves the OpenAI API; generate and "
+                  "bench run locally.")
 @click.option("--model", type=PathArg, help="bundle to serve")
+@serve_options
 @click.version_option(__version__, prog_name="dsrun")
 @click.pass_context
-def cli(ctx: click.Context, model: Path | None) -> None:
+def cli(ctx: click.Context, model: Path | None, **serve_kwargs) -> None:
     if ctx.invoked_subcommand is None:
         if model is None:
             raise click.UsageError("give --model BUNDLE to serve, or a command (generate, bench)")
-        raise DSparkError(SERVE_PENDING)
+        _serve(model, **serve_kwargs)
 
 
 def _prompt_ids(tokenizer, prompt: str | None, prompt_ids: str | None, chat: str | None
@@ -77,20 +107,23 @@ def result_dict(seq: Sequence, tokenizer, elapsed: float) -> dict:
 @click.option("--top-k", type=click.IntRange(min=0), default=0)
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
-@click.option("--window", type=click.IntRange(min=1), help="draft window (default: config)")
+@click.option("--window", type=click.IntRange(min=1), help="fixed draft window")
+@click.option("--policy", help="window policy: fixed, dflash, goodput (default: config)")
+@click.option("--config", "config_path", type=PathArg, help="dflash_config.json to use")
+@click.option("--tenant", default="default", show_default=True)
 @click.option("--no-speculative", is_flag=True, help="plain decoding with the main model")
 @click.option("--json", "as_json", is_flag=True)
 def generate(model: Path, prompt, prompt_ids, chat, max_tokens: int, temperature: float,
-             top_p: float, top_k: int, seed, stop, window, no_speculative: bool,
-             as_json: bool) -> None:
+             top_p: float, top_k: int, seed, stop, window, policy, config_path, tenant: str,
+             no_speculative: bool, as_json: bool) -> None:
     """Generate one completion from a bundle."""
     from dspark.runtime.loader import load_engine
 
-    engine, tokenizer = load_engine(model, window)
+    engine, tokenizer = load_engine(model, window, policy=policy, config=config_path)
     ids = _prompt_ids(tokenizer, prompt, prompt_ids, chat)
     request = GenerationRequest(tuple(ids), max_tokens, SamplingParams(temperature, top_p, top_k,
                                                                        seed),
-                                tuple(stop), speculative=not no_speculative)
+                                tuple(stop), speculative=not no_speculative, tenant=tenant)
     t0 = time.perf_counter()
     [seq] = engine.generate([request])
     out = result_dict(seq, tokenizer, time.perf_counter() - t0)
@@ -111,15 +144,31 @@ def generate(model: Path, prompt, prompt_ids, chat, max_tokens: int, temperature
 @click.option("--max-tokens", type=click.IntRange(min=1), default=96, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--window", type=click.IntRange(min=1), help="draft window (default: config)")
+@click.option("--policy", help="window policy: fixed, dflash, goodput (default: config)")
+@click.option("--policies", help="sweep instead, e.g. 'fixed:1-8,dflash,goodput'")
+@click.option("--config", "config_path", type=PathArg, help="dflash_config.json to use")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--plot", type=PathArg, help="write acceptance and tokens/s per prompt (PNG)")
-def bench(model: Path, prompts, max_tokens: int, repeats: int, window, as_json: bool,
-          plot) -> None:
+def bench(model: Path, prompts, max_tokens: int, repeats: int, window, policy, policies,
+          config_path, as_json: bool, plot) -> None:
     """Speculative vs plain decoding on the same prompts, interleaved, in one process."""
-    from dspark.runtime.bench import format_report, load_prompts, plot_report, run_bench
+    from dspark.runtime.bench import (
+        format_report,
+        format_sweep,
+        load_prompts,
+        parse_modes,
+        plot_report,
+        run_bench,
+        run_sweep,
+    )
     from dspark.runtime.loader import load_engine
 
-    engine, tokenizer = load_engine(model, window)
+    engine, tokenizer = load_engine(model, window, policy=policy, config=config_path)
+    if policies:
+        report = run_sweep(engine, tokenizer, load_prompts(prompts), max_tokens, repeats,
+                           parse_modes(policies))
+        click.echo(json.dumps(report, indent=2) if as_json else format_sweep(report))
+        return
     report = run_bench(engine, tokenizer, load_prompts(prompts), max_tokens, repeats)
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
     if plot:
@@ -128,15 +177,25 @@ def bench(model: Path, prompts, max_tokens: int, repeats: int, window, as_json: 
 
 @cli.command()
 @click.option("--model", type=PathArg, required=True)
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
-def serve(model: Path, host: str, port: int) -> None:
+@serve_options
+def serve(model: Path, **serve_kwargs) -> None:
     """Serve the OpenAI-compatible API."""
-    raise DSparkError(SERVE_PENDING)
+    _serve(model, **serve_kwargs)
+
+
+@click.command(help="Serve a .dsmodel bundle over the OpenAI-compatible API.")
+@click.option("--model", type=PathArg, required=True)
+@serve_options
+def inference_server(model: Path, **serve_kwargs) -> None:
+    _serve(model, **serve_kwargs)
 
 
 def main() -> None:
     run_cli(cli, "dsrun", sys.argv[1:])
+
+
+def inference_server_main() -> None:
+    run_cli(inference_server, "ds-inference-server", sys.argv[1:])
 
 
 def tokenizer_check() -> None:

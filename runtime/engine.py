@@ -26,8 +26,9 @@ from dspark.runtime.dflash.ras import ResourceManager, probe_device
 from dspark.runtime.dflash.reload import ConfigWatcher
 from dspark.runtime.dflash.vlb import VerifyBalancer
 from dspark.runtime.drafting import run_drafts
-from dspark.runtime.errors import DSparkError
+from dspark.runtime.errors import ConflictError, DSparkError
 from dspark.runtime.kv_arena import KVArena
+from dspark.runtime.memory_plan import MemoryPlan, resized
 from dspark.runtime.model_runner import ModelRunner
 from dspark.runtime.request import GenerationRequest, Sequence
 from dspark.runtime.sampling import probabilities
@@ -51,6 +52,7 @@ class Engine:
         self.vocab_size = bundle.model("main").vocab_size
         self.policy_name = policy or self.config.window.policy
         self.fixed_window = window or self.config.window.initial
+        make_policy(self.policy_name, window=self.fixed_window)  # unknown names fail now
         self.policies: dict[str, WindowPolicy] = {}
         self.balancer = VerifyBalancer(self.config.verify_balance, self.costs)
         self.scheduler = Scheduler(self.plan, self.config, max_batch, prefill_tokens)
@@ -59,6 +61,9 @@ class Engine:
         self.ids = itertools.count()
         self.health = CacheHealth(self.arena, self.config.cache_health)
         self.watcher: ConfigWatcher | None = None
+        self.suspended_rounds = 0
+        self.round_log: list[tuple[str, int, int, int]] = []  # this step's verify rounds
+        self.last_verify_ms: float | None = None
 
     def watch_config(self, path) -> None:
         """Hot-reload `path` (the bundle's dflash_config.json or --config) between steps."""
@@ -79,6 +84,7 @@ class Engine:
     def step(self) -> list[Sequence]:
         """One engine step; returns the sequences it advanced (finished ones included)."""
         self.maintain()
+        self.round_log, self.last_verify_ms = [], None
         for seq in self.scheduler.admit():
             self.arena.add_sequence(seq.id)
         batch = self.scheduler.plan_step()
@@ -101,15 +107,19 @@ class Engine:
             self.switch_draft(self.resources.draft)
 
     def switch_draft(self, role: str) -> None:
-        """Use another draft from the next round on; its cache starts empty (sequences catch
-        up in chunks), held drafts of the old one are dropped. Output is unaffected."""
-        if self.draft.role == role:
-            return
-        old, self.draft = self.draft.pool, self.drafts[role]
-        for seq in self.scheduler.running:
-            self.arena.rollback(seq.id, old, 0)
-            seq.draft_cached = 0
+        """Sequences that follow the default draft use `role` from their next round on."""
+        self.draft = self.drafts[role]
+
+    def _bind_draft(self, seq: Sequence) -> ModelRunner:
+        """The draft this sequence uses this round. On a change its cache starts empty (it
+        catches up in chunks) and held drafts are dropped; output is unaffected."""
+        runner = self.drafts[seq.request.draft] if seq.request.draft else self.draft
+        if seq.draft_role != runner.role:
+            if seq.draft_role is not None:
+                self.arena.rollback(seq.id, self.drafts[seq.draft_role].pool, 0)
+            seq.draft_role, seq.draft_cached = runner.role, 0
             seq.drafts, seq.draft_probs, seq.draft_conf = [], [], []
+        return runner
 
     def submit(self, request: GenerationRequest) -> Sequence:
         self.check(request)
@@ -135,11 +145,75 @@ class Engine:
         if len(request.prompt_ids) >= limit:
             raise DSparkError(f"prompt has {len(request.prompt_ids)} tokens; the bundle's max "
                               f"sequence length is {limit}")
+        if request.draft is not None and request.draft not in self.drafts:
+            raise DSparkError(f"draft model {request.draft!r} is not in the bundle (drafts: "
+                              f"{', '.join(sorted(self.drafts))})")
         if len(request.prompt_ids) + request.max_tokens > limit:
             raise DSparkError(f"prompt ({len(request.prompt_ids)} tokens) + max_tokens "
                               f"({request.max_tokens}) exceeds the max sequence length {limit}")
 
+    def conflicts(self, max_seq_len: int) -> list[Sequence]:
+        """Running or waiting sequences that a shorter max sequence length would cut."""
+        seqs = self.scheduler.running + [s for q in self.scheduler.waiting.values() for s in q]
+        return [s for s in seqs if s.prompt_len + s.request.max_tokens > max_seq_len]
+
+    def resize(self, max_seq_len: int) -> MemoryPlan:
+        """Change the max sequence length between steps; the arena grows if one sequence of
+        that length would not fit. Refused (ConflictError) below a running sequence."""
+        if self.conflicts(max_seq_len):
+            raise ConflictError(f"max_length {max_seq_len} is below a running sequence "
+                                f"(prompt + max_tokens up to {self.longest()})")
+        plan = resized(self.plan, max_seq_len)
+        if plan.num_blocks > self.plan.num_blocks:
+            self.arena.grow(plan)
+        self.plan = self.scheduler.plan = self.arena.plan = plan
+        return plan
+
+    def longest(self) -> int:
+        seqs = self.scheduler.running + [s for q in self.scheduler.waiting.values() for s in q]
+        return max((s.prompt_len + s.request.max_tokens for s in seqs), default=0)
+
+    def warmup(self, main_sizes=(1, 2, 4, 8, 16, 32, 64), draft_sizes=(1, 2, 4, 8, 16)
+               ) -> dict[str, float]:
+        """Run every model at a few batch sizes: first runs pay onnxruntime's allocations,
+        second runs fill the cost table (steps/s per size) that goodput and VLB read."""
+        sizes = {"main": [t for t in main_sizes if t < self.plan.max_seq_len],
+                 "draft": [t for t in draft_sizes if t < self.plan.max_seq_len]}
+        runners = {"main": [self.main], "draft": list(self.drafts.values())}
+        probe, probes = -1, list(range(-9, -1))
+        for seq_id in (probe, *probes):
+            self.arena.add_sequence(seq_id)
+        t0 = time.perf_counter()
+        try:
+            for measure in (False, True):
+                if measure:
+                    self.costs.table = {"main": {}, "draft": {}}
+                for role, runner_list in runners.items():
+                    for runner in runner_list:
+                        for n in sizes[role]:
+                            runner.forward([(probe, 0, [1] * n)], [1])
+                            self.arena.rollback(probe, runner.pool, 0)
+                        self._profile_sequences(runner, probes)
+        finally:
+            for seq_id in (probe, *probes):
+                self.arena.release(seq_id)
+        return {"seconds": time.perf_counter() - t0,
+                "main_ms": {n: round(1000 * self.costs.seconds("main", n), 2)
+                            for n in sizes["main"]}}
+
+    def _profile_sequences(self, runner: ModelRunner, probes: list[int]) -> None:
+        """One forward of 8 one-token sequences: the per-sequence overhead."""
+        runner.forward([(p, 0, [1]) for p in probes], [1] * len(probes))
+        for p in probes:
+            self.arena.rollback(p, runner.pool, 0)
+
     # -- window policies --------------------------------------------------------------
+    def set_policy(self, name: str, window: int | None = None) -> None:
+        """Use another window policy for new rounds (per-tenant state starts afresh)."""
+        make_policy(name, window=window or 1)  # an unknown name fails here, listing the known
+        self.policy_name, self.fixed_window = name, window or self.config.window.initial
+        self.policies = {}
+
     def policy(self, tenant: str) -> WindowPolicy:
         if tenant not in self.policies:
             self.policies[tenant] = make_policy(self.policy_name, window=self.fixed_window,
@@ -168,13 +242,21 @@ class Engine:
                 policy.batch = max(1, len(drafting))
         for seq in drafting:
             seq.window = min(self.cap(seq), self.policy(seq.tenant).window(self.view(seq)))
+        cap = self.balancer.batch_cap(len(drafting), max((s.window for s in drafting), default=0))
+        self.suspended_rounds += bool(drafting) and cap == 0
+        for seq in drafting:
+            seq.window = min(seq.window, cap)
         record = self.policy_name != "fixed"
 
         def keep(seq: Sequence) -> bool:
             seq.stats.draft_top1 = [c for c, _ in seq.draft_conf]
             return self.policy(seq.tenant).keep_drafting(self.view(seq), len(seq.drafts))
 
-        run_drafts(self.draft, drafting, keep, self.scheduler.prefill_tokens, record)
+        groups: dict[str, list[Sequence]] = {}
+        for seq in drafting:
+            groups.setdefault(self._bind_draft(seq).role, []).append(seq)
+        for role, group in groups.items():
+            run_drafts(self.drafts[role], group, keep, self.scheduler.prefill_tokens, record)
 
     def balance(self, batch: list[Sequence]) -> None:
         """How many drafts each sequence verifies now (VLB; goodput's slot selection)."""
@@ -202,7 +284,9 @@ class Engine:
         self.health.observe_batch([s.id for s in batch])
         t0 = time.perf_counter()
         logits = self.main.forward(chunks, rows)
-        self.balancer.observe(sum(len(c[2]) for c in chunks), time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        self.balancer.observe(sum(len(c[2]) for c in chunks), elapsed)
+        self.last_verify_ms = 1000 * elapsed
         return logits
 
     def advance(self, seq: Sequence, logits: np.ndarray) -> None:
@@ -211,6 +295,10 @@ class Engine:
             seq.main_cached += seq.chunk
             return
         result = self.accept(seq, logits)
+        if result.drafted:
+            self.balancer.observe_round(result.accepted > 0)
+        if seq.request.speculative:
+            self.round_log.append((seq.tenant, seq.window, result.drafted, result.accepted))
         self.policy(seq.tenant).observe(self.view(seq))
         self.emit(seq, result)
 
@@ -234,7 +322,7 @@ class Engine:
         self.arena.rollback(seq.id, "main", seq.main_cached)
         if seq.draft_cached > same:
             seq.draft_cached = same
-            self.arena.rollback(seq.id, self.draft.pool, same)
+            self.arena.rollback(seq.id, self.drafts[seq.draft_role].pool, same)
         held = k + 1 if keep_held else len(drafts)
         seq.drafts, seq.draft_probs = drafts[held:], seq.draft_probs[held:]
         seq.draft_conf = seq.draft_conf[held:]

@@ -16,6 +16,7 @@ class RuntimeEnv:
     threads: int  # intra-op threads for the shared onnxruntime pool
     cache_dir: str  # where samples and fixtures cache build outputs
     debug: bool  # show tracebacks of internal errors
+    api_key: str | None  # DSPARK_API_KEY: the server's bearer token when --api-key is not given
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -30,4 +31,5 @@ def read_env() -> RuntimeEnv:
         raise DSparkError(f"DSPARK_THREADS must be an integer, got {raw!r}") from None
     cache_dir = os.environ.get("DSPARK_CACHE", os.path.join(os.getcwd(), "build"))
     debug = os.environ.get("DSPARK_DEBUG", "") not in ("", "0")
-    return RuntimeEnv(threads=threads, cache_dir=cache_dir, debug=debug)
+    return RuntimeEnv(threads=threads, cache_dir=cache_dir, debug=debug,
+                      api_key=os.environ.get("DSPARK_API_KEY") or None)

@@ -19,3 +19,11 @@ class ModelInputError(DSparkError):
 
 class UnmappableAttentionError(ModelInputError):
     """An attention subgraph the compiler cannot turn into SpeculativeVerify."""
+
+
+class ConflictError(DSparkError):
+    """The request conflicts with the server's current state (e.g. a running sequence)."""
+
+
+class QueueFullError(DSparkError):
+    """Too many requests are waiting; try again later."""

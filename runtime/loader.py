@@ -5,19 +5,25 @@ from __future__ import annotations
 from pathlib import Path
 
 from dspark.runtime.bundle import open_bundle
+from dspark.runtime.config import CONFIG_FILE
 from dspark.runtime.engine import Engine
 from dspark.runtime.sessions import init_threads
 from dspark.runtime.tokenizer import BundleTokenizer, load_tokenizer
 
 
 def load_engine(model: Path, window: int | None = None, max_batch: int = 16,
-                policy: str | None = None) -> tuple[Engine, BundleTokenizer | None]:
-    """`window` alone means the fixed policy at that window; `policy` picks one by name."""
+                policy: str | None = None, config: Path | None = None, warmup: bool = True
+                ) -> tuple[Engine, BundleTokenizer | None]:
+    """`window` alone means the fixed policy at that window; `policy` picks one by name.
+    `config` replaces the bundle's dflash_config.json; either is hot-reloaded."""
     init_threads()
-    bundle = open_bundle(model)
+    bundle = open_bundle(model, config_path=config)
     tokenizer = load_tokenizer(bundle.tokenizer_dir)
     policy = policy or ("fixed" if window else None)
     engine = Engine(bundle, policy, window, max_batch,
                     eos_ids=tuple(sorted(tokenizer.eos_ids)) if tokenizer else (),
                     decode=tokenizer.decode if tokenizer else None)
+    engine.watch_config(config or bundle.path(CONFIG_FILE))
+    if warmup:
+        engine.warmup()
     return engine, tokenizer

@@ -79,6 +79,22 @@ class MemoryPlan:
         return cls(pools=pools, **{k: d[k] for k in keep})
 
 
+def resized(plan: MemoryPlan, max_seq_len: int) -> MemoryPlan:
+    """The plan with another max sequence length; the arena grows (never shrinks) so that
+    one sequence of that length fits."""
+    blocks = max(plan.num_blocks, math.ceil(max_seq_len / plan.block_size))
+    pools, offset = [], 0
+    for p in plan.pools:
+        layer_bytes = blocks * p.num_kv_heads * plan.block_size * p.head_dim * (
+            p.bytes_per_token // (2 * p.num_layers * p.num_kv_heads * p.head_dim))
+        pools.append(PoolLayout(p.role, p.num_layers, p.num_kv_heads, p.head_dim, p.dtype,
+                                p.bytes_per_token, offset, layer_bytes))
+        offset += 2 * p.num_layers * layer_bytes
+    blocks_per_seq = math.ceil(max_seq_len / plan.block_size)
+    return MemoryPlan(plan.block_size, blocks, max_seq_len, blocks // blocks_per_seq,
+                      max(plan.budget_bytes, offset), tuple(pools))
+
+
 def plan_memory(specs: list[ModelSpec], budget_bytes: int, block_size: int,
                 max_seq_len: int) -> MemoryPlan:
     """Size the arena for a byte budget; refuse a budget that cannot hold one full sequence."""

@@ -43,7 +43,7 @@ class ModelRunner:
         self.tokens += batch.num_tokens
         if self.costs is not None:
             self.costs.record("main" if self.role == "main" else "draft", batch.num_tokens,
-                              elapsed)
+                              elapsed, batch.num_seqs)
         if not len(index):
             return [logits[:0]] * len(chunks)
         return np.split(logits, np.cumsum(rows)[:-1])

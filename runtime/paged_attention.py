@@ -89,21 +89,25 @@ class PagedAttention:
 
     def __init__(self, arena: KVArena, role: str):
         self.arena = arena
-        pool = arena.pools[role]
-        self.k = [t.numpy() for t in pool.k]
-        self.v = [t.numpy() for t in pool.v]
+        self.role = role
+        self.generation = -1
         self._batch: FlatBatch | None = None
         self._views: list[SeqView] = []
 
     def views(self, batch: FlatBatch) -> list[SeqView]:
+        if self.generation != self.arena.generation:  # the arena grew: new buffer
+            pool = self.arena.pools[self.role]
+            self.k = [t.numpy() for t in pool.k]
+            self.v = [t.numpy() for t in pool.v]
+            self.generation = self.arena.generation
         if batch is not self._batch:
             self._batch, self._views = batch, build_views(self.arena, batch)
         return self._views
 
     def __call__(self, op: VerifyOp, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                  batch: FlatBatch) -> np.ndarray:
-        ka, va = self.k[op.layer], self.v[op.layer]
         views = self.views(batch)
+        ka, va = self.k[op.layer], self.v[op.layer]
         out = None if len(views) == 1 else np.empty_like(q[0])
         for s in views:
             if len(s.write_blocks) == 1:  # decode: plain indexing is 3x cheaper than fancy

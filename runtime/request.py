@@ -20,6 +20,7 @@ class GenerationRequest:
     speculative: bool = True
     max_window: int | None = None  # a cap; the window policy still decides
     tenant: str = "default"
+    draft: str | None = None  # a draft role of the bundle; None: the engine's current one
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -91,6 +92,7 @@ class Sequence:
         self.prompt_len = len(self.tokens)
         self.main_cached = 0  # tokens whose KV the main pool holds (always len(tokens) - 1 after)
         self.draft_cached = 0
+        self.draft_role: str | None = None  # whose pool holds the draft cache
         self.drafts: list[int] = []  # drafted, not yet verified (held ones carry over)
         self.draft_probs: list[np.ndarray] = []
         self.window = 0  # drafts wanted this round

@@ -55,3 +55,33 @@ def smollm2_bundle(smollm2_pair, tmp_path_factory) -> Path:
     compile_bundle(CompileOptions(smollm2_pair / "main.onnx", smollm2_pair / "draft.onnx", path),
                    Progress(quiet=True))
     return path
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tok_bundle(fixture_pairs, tmp_path_factory) -> Path:
+    """The llama fixture with a small word-level tokenizer and a chat template."""
+    import json
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    root = tmp_path_factory.mktemp("tok")
+    words = {f"w{i}": i for i in range(300)}
+    words.update({"<user>": 300, "<assistant>": 301, "hello": 302, "world": 303,
+                  "<system>": 304})
+    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\s+"), behavior="removed"),
+        pre_tokenizers.Split(Regex(r"<[a-z]+>"), behavior="isolated")])
+    (root / "tok").mkdir()
+    tok.save(str(root / "tok" / "tokenizer.json"))
+    (root / "tok" / "tokenizer_config.json").write_text(json.dumps({"chat_template":
+                                                                    CHAT_TEMPLATE}))
+    main, draft = fixture_pairs[("llama", "classic")]
+    out = root / "tok.dsmodel"
+    compile_bundle(CompileOptions(main, draft, out, tokenizer=root / "tok", max_seq_len=64),
+                   Progress(quiet=True))
+    return out

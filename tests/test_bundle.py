@@ -95,3 +95,17 @@ def test_memory_plan_arithmetic(compiled):
     assert MemoryPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
     with pytest.raises(DSparkError, match="--block-size must be one of"):
         plan_memory([main], 1 << 20, 24, 100)
+
+
+def test_config_schema_ships_in_the_bundle(compiled):
+    import jsonschema
+
+    from dspark.runtime.config import CONFIG_SCHEMA_FILE
+
+    bundle = open_bundle(compiled[("llama", "classic")])
+    schema = json.loads(bundle.path(CONFIG_SCHEMA_FILE).read_text())
+    jsonschema.validate(json.loads(json.dumps(DFlashConfig().to_dict())), schema)
+    for bad in ({"window": {"polcy": "x"}}, {"window": {"policy": "warp"}},
+                {"cache_health": {"interval_ms": "fast"}}, {"tenants": [{"weight": "1"}]}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)

@@ -84,7 +84,8 @@ def _costs():
     costs = CostModel()
     for tokens, ms in ((1, 20), (2, 21), (4, 23), (8, 28), (16, 38), (32, 60), (64, 105)):
         costs.record("main", tokens, ms / 1000)
-    costs.record("draft", 1, 0.010)
+    for tokens, ms in ((1, 10), (2, 10.5), (4, 11.5), (8, 14), (16, 20), (32, 32)):
+        costs.record("draft", tokens, ms / 1000)
     return costs
 
 
@@ -110,14 +111,26 @@ def test_goodput_stops_drafting_when_it_does_not_pay():
 
 def test_vlb_lanes_follow_utilisation():
     costs = _costs()
+    vlb = VerifyBalancer(VerifyBalanceConfig(steady_tokens_low=2, steady_tokens_mid=1), costs)
+    vlb.observe(1, 0.02)  # one request: the verify streams weights, tokens are nearly free
+    assert vlb.utilisation < 0.6 and vlb.admit(0) == 0 and vlb.admit(6) == 3
+    vlb.observe(63, 0.1)  # a big verify is compute-bound: each token costs its share
+    assert vlb.utilisation > 0.85 and vlb.admit(6) == 1  # fast lane only, the rest held
+    vlb.config = VerifyBalanceConfig(low_utilisation=0.1, high_utilisation=1.0)
+    assert vlb.admit(6) == 3  # mid utilisation: fast lane + steady_tokens_mid (2)
+
+
+def test_vlb_batch_cap_turns_speculation_off_under_load():
+    costs = _costs()
+    costs.per_seq["main"] = 0.002
+    costs.per_seq["draft"] = 0.002
     vlb = VerifyBalancer(VerifyBalanceConfig(), costs)
-    assert vlb.admit(0) == 0 and vlb.admit(6) == 3  # idle: fast lane + 2 steady
-    peak = vlb.peak()
-    for _ in range(20):  # saturating throughput for a while
-        vlb.observe(int(peak * 0.2), 0.2)
-    assert vlb.utilisation > 0.85 and vlb.admit(6) == 1  # hold the steady lane
-    vlb.utilisation = 0.7
-    assert vlb.admit(6) == 2
+    assert vlb.batch_cap(1, 6) == 6  # one request: the window policy decides
+    vlb.acceptance = 0.9
+    assert 1 <= vlb.batch_cap(2, 6) <= 6  # two requests, likely drafts: worth a window
+    assert vlb.batch_cap(32, 6) == 0  # many requests: plain decoding is faster
+    vlb.acceptance = 0.05
+    assert vlb.batch_cap(2, 6) == 0  # drafts that are rarely accepted do not pay
 
 
 def test_che_seed_example_restores_health(arena):  # noqa: F811

@@ -17,21 +17,24 @@ import dspark.runtime.engine as engine_mod
 from dspark.compiler.reference import OriginalModel
 from dspark.runtime.acceptance import Acceptance
 from dspark.runtime.bundle import open_bundle
+from dspark.runtime.config import DFlashConfig, VerifyBalanceConfig
 from dspark.runtime.engine import Engine
 from dspark.runtime.request import GenerationRequest
 from dspark.runtime.sampling import SamplingParams, probabilities, sample
 
 SAMPLES = 4000
+# speculate at any batch size (VLB would turn drafting off for 512 sequences at once)
+ALWAYS = DFlashConfig(verify_balance=VerifyBalanceConfig(batch_cap=False))
 PARAMS = SamplingParams(temperature=1.3)
 
 
 def _second_tokens(bundle_path, prompt: tuple[int, ...], first: int) -> np.ndarray:
     """Second generated tokens of the sequences whose first token is `first`."""
-    engine = Engine(open_bundle(bundle_path), "fixed", 3, max_batch=512)
+    engine = Engine(open_bundle(bundle_path), "fixed", 3, max_batch=512, config=ALWAYS)
     requests = [GenerationRequest(prompt, 5, SamplingParams(PARAMS.temperature, seed=i))
                 for i in range(SAMPLES)]
     seqs = engine.generate(requests)
-    assert all(s.stats.draft_tokens >= 3 for s in seqs)  # token 2 came from a 3-token round
+    assert all(s.stats.draft_tokens >= 1 for s in seqs)  # token 2 came from a speculative round
     assert engine.arena.free_blocks == engine.plan.num_blocks
     return np.array([s.generated[1] for s in seqs if s.generated[0] == first])
 

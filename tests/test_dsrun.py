@@ -9,32 +9,6 @@ import pytest
 
 from cli_helpers import run_dsrun
 
-CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def tok_bundle(fixture_pairs, tmp_path_factory):
-    """A fixture bundle with a small word-level tokenizer and a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    root = tmp_path_factory.mktemp("tok")
-    words = {f"w{i}": i for i in range(300)}
-    words.update({"<user>": 300, "<assistant>": 301, "hello": 302, "world": 303})
-    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Split(r"<[a-z]+>|\w+", behavior="isolated")
-    (root / "tok").mkdir()
-    tok.save(str(root / "tok" / "tokenizer.json"))
-    (root / "tok" / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT}))
-    main, draft = fixture_pairs[("llama", "classic")]
-    out = root / "tok.dsmodel"
-    from dspark.compiler.compile import CompileOptions, compile_bundle
-    from dspark.compiler.progress import Progress
-
-    compile_bundle(CompileOptions(main, draft, out, tokenizer=root / "tok", max_seq_len=64),
-                   Progress(quiet=True))
-    return out
-
 
 def test_generate_json_and_plain_agree(capsys, compiled):
     bundle = compiled[("gpt2", "classic")]
@@ -106,7 +80,8 @@ def test_generate_bad_input(capsys, compiled, tok_bundle, tmp_path):
     shutil.copytree(bundle, tampered)
     (tampered / "draft" / "weights.bin").write_bytes(b"\0" * 10)
     _refused(run_dsrun(capsys, *gen, tampered, "--prompt-ids", "1"), "draft/weights.bin")
-    _refused(run_dsrun(capsys, "--model", bundle), "serving is not yet implemented")
+    _refused(run_dsrun(capsys, "--model", tmp_path / "gone.dsmodel"),
+             "gone.dsmodel: no such bundle")
 
 
 def test_bench_reports_speedup_and_bound(capsys, compiled, tmp_path):

@@ -13,13 +13,16 @@ from lossless import first_fork
 
 from dspark.compiler.reference import OriginalModel
 from dspark.runtime.bundle import open_bundle
-from dspark.runtime.config import VerifyBalanceConfig
+from dspark.runtime.config import DFlashConfig, ResourceConfig, ResourceRow, VerifyBalanceConfig
 from dspark.runtime.engine import Engine
 from dspark.runtime.request import GenerationRequest
 from dspark.runtime.tokenizer import BundleTokenizer
 
 PAIRS = [("llama", "classic"), ("llama", "dynamo"), ("gpt2", "classic"), ("gpt2", "dynamo")]
 LENGTHS = (1, 3, 5, 8, 13, 21, 34, 55)
+# no RAS cap, and speculation at every batch size (VLB would turn it off under load)
+WIDE = DFlashConfig(resources=ResourceConfig(table=(ResourceRow("cpu", 8),)),
+                    verify_balance=VerifyBalanceConfig(batch_cap=False))
 # (policy, window, speculative, prefill tokens per step)
 SETTINGS = [("fixed", 1, False, 256), ("fixed", 1, True, 256), ("fixed", 4, True, 16),
             ("fixed", 8, True, 256), ("dflash", None, True, 256), ("goodput", None, True, 32)]
@@ -32,7 +35,7 @@ def _check_lossless(bundle_path, main_path, prompts, eos=frozenset(), max_tokens
     report = []
     for policy, window, spec, chunk in SETTINGS:
         engine = Engine(bundle, policy, window, max_batch=8, eos_ids=tuple(eos),
-                        prefill_tokens=chunk)
+                        prefill_tokens=chunk, config=WIDE)
         seqs = engine.generate([GenerationRequest(tuple(p), max_tokens, speculative=spec)
                                 for p in prompts])
         for p, seq, ref in zip(prompts, seqs, refs):

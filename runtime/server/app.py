@@ -1,0 +1,283 @@
+"""The OpenAI-compatible HTTP API over an EngineService (FastAPI; run by uvicorn).
+
+    GET  /v1/models            POST /v1/completions        POST /v1/chat/completions
+    POST /v1/cache/resize      POST /v1/warmup             GET  /health   GET /metrics
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from dspark.runtime.errors import ConflictError
+from dspark.runtime.request import GenerationRequest, Sequence
+from dspark.runtime.sampling import SamplingParams
+from dspark.runtime.server import errors
+from dspark.runtime.server.errors import APIError
+from dspark.runtime.server.metrics import Metrics
+from dspark.runtime.server.protocol import (
+    CacheResizeRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationParams,
+    WarmupRequest,
+)
+from dspark.runtime.server.service import EngineService, Handle
+from dspark.runtime.server.streaming import TextStream
+from dspark.runtime.tokenizer import BundleTokenizer
+
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class ServerState:
+    service: EngineService
+    tokenizer: BundleTokenizer | None
+    model_id: str
+    metrics: Metrics
+    api_key: str | None = None
+    created: int = 0
+
+
+def create_app(state: ServerState, warmup: bool = True) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        state.service.start(warmup)
+        yield
+        state.service.stop()
+
+    app = FastAPI(title="DSpark", docs_url=None, redoc_url=None, lifespan=lifespan)
+    errors.install(app)
+    engine = state.service.engine
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if state.api_key and request.url.path != "/health":
+            if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
+                return APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                code="invalid_api_key").response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if not state.service.ready.is_set():
+            return JSONResponse({"status": "warming_up"}, status_code=503)
+        return {"status": "ok", "model": state.model_id}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(engine), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": state.model_id, "object": "model", "created": state.created,
+            "owned_by": "dspark", "max_model_len": engine.plan.max_seq_len,
+            "drafts": sorted(engine.drafts)}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        tok = _tokenizer(state)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        ids = await asyncio.to_thread(tok.encode_chat, messages)
+        return await _generate(state, body, ids, "chat", request, "messages")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "one prompt per request is supported", param="prompt",
+                               code="unsupported_parameter")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = await asyncio.to_thread(_tokenizer(state).encode, prompt)
+        else:
+            ids = list(prompt)
+        return await _generate(state, body, ids, "text", request, "prompt")
+
+    @app.post("/v1/warmup")
+    async def warmup(body: WarmupRequest):
+        sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)]
+        result = await state.service.call(lambda e: e.warmup(
+            [n for n in sizes if n <= body.main_tokens] or [1],
+            [n for n in sizes if n <= body.draft_tokens]))
+        return {"status": "ok", "seconds": round(result["seconds"], 4),
+                "main_ms": result["main_ms"]}
+
+    @app.post("/v1/cache/resize")
+    async def resize(body: CacheResizeRequest):
+        deadline = time.monotonic() + engine.config.cache_resize_grace_period_sec
+        while True:
+            try:
+                plan = await state.service.call(lambda e: e.resize(body.max_length))
+                break
+            except ConflictError:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.2)
+        return {"max_length": plan.max_seq_len, "num_blocks": plan.num_blocks,
+                "max_seqs": plan.max_seqs, "total_bytes": plan.total_bytes}
+
+    return app
+
+
+def _tokenizer(state: ServerState) -> BundleTokenizer:
+    if state.tokenizer is None:
+        raise APIError(400, "the bundle has no tokenizer: send prompt token ids to "
+                       "/v1/completions", param="prompt")
+    return state.tokenizer
+
+
+def _request(state: ServerState, body: GenerationParams, ids: list[int], tenant: str,
+             prompt_param: str) -> GenerationRequest:
+    engine = state.service.engine
+    if (name := body.unsupported()) is not None:
+        raise APIError(400, f"{name} is not supported by this server", param=name,
+                       code="unsupported_parameter")
+    if body.model != state.model_id:
+        raise APIError(404, f"the model '{body.model}' does not exist (this server serves "
+                       f"'{state.model_id}')", param="model", code="model_not_found",
+                       kind="not_found_error")
+    limit = engine.plan.max_seq_len
+    if not ids:
+        raise APIError(400, "the prompt is empty", param=prompt_param)
+    if len(ids) >= limit:
+        raise APIError(400, f"the prompt has {len(ids)} tokens; this model's maximum context "
+                       f"length is {limit}", param=prompt_param, code="context_length_exceeded")
+    max_tokens = body.limit() or limit - len(ids)
+    if len(ids) + max_tokens > limit:
+        raise APIError(400, f"max_tokens {max_tokens} + the prompt's {len(ids)} tokens exceed "
+                       f"this model's maximum context length {limit}", param="max_tokens",
+                       code="context_length_exceeded")
+    spec = body.speculative_config
+    draft = None
+    if spec is not None and spec.draft_model is not None:
+        draft = _draft_role(engine, spec.draft_model)
+    temperature = 1.0 if body.temperature is None else body.temperature
+    sampling = SamplingParams(temperature, body.top_p or 1.0, body.top_k or 0, body.seed)
+    return GenerationRequest(tuple(ids), max_tokens, sampling, body.stops(),
+                             speculative=body.speculative_decoding,
+                             max_window=spec.max_window if spec else None, tenant=tenant,
+                             draft=draft)
+
+
+def _draft_role(engine, name: str) -> str:
+    for role in engine.drafts:
+        if name in (role, role.removeprefix("draft_")):
+            return role
+    raise APIError(400, f"draft model '{name}' is not in the bundle (drafts: "
+                   f"{', '.join(sorted(engine.drafts))})", param="speculative_config.draft_model")
+
+
+async def _generate(state: ServerState, body, ids: list[int], kind: str, request: Request,
+                    prompt_param: str):
+    tenant = request.headers.get("x-tenant-id") or "default"
+    endpoint = "chat" if kind == "chat" else "completions"
+    try:
+        gen = _request(state, body, ids, tenant, prompt_param)
+        handle = state.service.submit(gen)
+    except Exception:
+        state.metrics.request(endpoint, "rejected")
+        raise
+    meta = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+            "created": int(time.time()), "model": state.model_id}
+    decode = state.tokenizer.decode if state.tokenizer else (lambda t: "")
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_sse(state, handle, meta, kind, decode, include_usage, endpoint),
+                                 media_type="text/event-stream")
+    seq = await _wait(state, handle, request)
+    if seq is None:
+        state.metrics.request(endpoint, "cancelled")
+        return Response(status_code=499)
+    state.metrics.request(endpoint, "ok")
+    text = TextStream(decode, ()).delta(seq.generated, True, seq.text_end)
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+               "finish_reason": seq.finish_reason, "logprobs": None} if kind == "chat" else
+              {"index": 0, "text": text, "finish_reason": seq.finish_reason, "logprobs": None})
+    return {**meta, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "choices": [choice], "usage": _usage(seq),
+            "speculative_decoding_stats": _spec_stats(seq)}
+
+
+async def _wait(state: ServerState, handle: Handle, request: Request) -> Sequence | None:
+    while True:
+        try:
+            event = await asyncio.wait_for(handle.events.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                state.service.cancel(handle)
+                return None
+            continue
+        if event[0] == "error":
+            raise event[1]
+        if event[2] is not None:
+            return handle.seq
+
+
+async def _sse(state: ServerState, handle: Handle, meta: dict, kind: str, decode,
+               include_usage: bool, endpoint: str):
+    stream = TextStream(decode, handle.request.stop)
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    usage_field = {"usage": None} if include_usage else {}
+
+    def chunk(text: str | None, finish: str | None = None, role: bool = False,
+              extra: dict | None = None) -> str:
+        if kind == "chat":
+            delta = {"role": "assistant", "content": ""} if role else (
+                {"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        payload = {**meta, "object": obj, "choices": [choice], **usage_field, **(extra or {})}
+        return f"data: {json.dumps(payload)}\n\n"
+
+    done = False
+    try:
+        if kind == "chat":
+            yield chunk(None, role=True)
+        while not done:
+            event = await handle.events.get()
+            if event[0] == "error":
+                yield f"data: {json.dumps(errors.error_body(str(event[1]), 'server_error'))}\n\n"
+                state.metrics.request(endpoint, "error")
+                return
+            _, count, finish = event
+            seq = handle.seq
+            text = stream.delta(seq.generated[:count], finish is not None,
+                                seq.text_end if finish else None)
+            if text:
+                yield chunk(text)
+            if finish is not None:
+                done = True
+                yield chunk(None, finish, extra={"speculative_decoding_stats": _spec_stats(seq)})
+                if include_usage:
+                    usage = {**meta, "object": obj, "choices": [], "usage": _usage(seq)}
+                    yield f"data: {json.dumps(usage)}\n\n"
+                yield "data: [DONE]\n\n"
+                state.metrics.request(endpoint, "ok")
+    finally:
+        if not done:  # the client went away mid-stream: stop and free its KV blocks
+            state.service.cancel(handle)
+            state.metrics.request(endpoint, "cancelled")
+
+
+def _usage(seq: Sequence) -> dict:
+    return {"prompt_tokens": seq.prompt_len, "completion_tokens": len(seq.generated),
+            "total_tokens": seq.prompt_len + len(seq.generated)}
+
+
+def _spec_stats(seq: Sequence) -> dict:
+    s = seq.stats
+    return {"draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
+            "rounds": s.rounds, "mean_window": round(s.mean_window, 3),
+            "acceptance_rate": round(s.acceptance_rate, 4)}

@@ -1,0 +1,58 @@
+"""OpenAI-style error objects: {"error": {"message", "type", "param", "code"}} with a 4xx,
+for every bad input, never a 500 for a user's mistake."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dspark.runtime.errors import ConflictError, DSparkError, QueueFullError
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = (
+            status, message, param, code, kind)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.kind, self.param, self.code),
+                            status_code=self.status)
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    err = exc.errors()[0]
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {err.get('msg')}",
+                        code="invalid_json").response()
+    if err.get("type") == "extra_forbidden":
+        return APIError(400, f"unrecognized request argument: {'.'.join(loc)}",
+                        param=".".join(loc), code="unknown_parameter").response()
+    where = ".".join(loc) or "body"
+    return APIError(400, f"{where}: {err.get('msg')}", param=where,
+                    code="invalid_value").response()
+
+
+def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return APIError(exc.status_code, str(exc.detail), kind=kind).response()
+
+
+def install(app) -> None:
+    app.add_exception_handler(APIError, lambda _, e: e.response())
+    app.add_exception_handler(RequestValidationError, _validation)
+    app.add_exception_handler(StarletteHTTPException, _http)
+    app.add_exception_handler(QueueFullError, lambda _, e: APIError(
+        429, str(e), code="queue_full", kind="rate_limit_error").response())
+    app.add_exception_handler(ConflictError, lambda _, e: APIError(
+        409, str(e), code="conflict").response())
+    app.add_exception_handler(DSparkError, lambda _, e: APIError(400, str(e)).response())

@@ -1,0 +1,155 @@
+"""Prometheus metrics of a serving engine (text exposition through prometheus_client).
+
+Counters and histograms are fed after every engine step (in the engine thread); rolling
+one-minute gauges (reject rate, decisions, accept throughput, verify p99) and the cache
+health, resource and reload gauges are computed when /metrics is scraped. Labels: model and
+device everywhere, tenant where meaningful.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from dspark.runtime.engine import Engine
+from dspark.runtime.request import Sequence
+
+MINUTE = 60.0
+MS_BUCKETS = (1, 2, 5, 10, 20, 35, 50, 75, 100, 150, 250, 500, 1000, 2500, 5000, 10000)
+
+
+class Metrics:
+    def __init__(self, model: str, device: str):
+        self.labels = {"model": model, "device": device}
+        r = self.registry = CollectorRegistry()
+        md, mdt = ["model", "device"], ["model", "device", "tenant"]
+        self.window = Gauge("dflash_window_size_current", "Mean draft window of the last "
+                            "minute's rounds", mdt, registry=r)
+        self.hit_rate = Gauge("dspar_kv_cache_hit_rate", "Fraction of blocks a verify step "
+                              "reads that continue a contiguous run", md, registry=r)
+        self.reject = Gauge("dflash_reject_rate_1m", "Rejected / verified draft tokens over "
+                            "the last minute", mdt, registry=r)
+        self.verify = Histogram("dspar_verify_latency_ms", "Verify forward latency",
+                                md, buckets=MS_BUCKETS, registry=r)
+        self.verify_p99 = Gauge("dspar_verify_latency_p99_ms", "p99 of the last minute's "
+                                "verify forwards", md, registry=r)
+        self.decisions = Gauge("dflash_scheduler_decision_count_1m", "Window decisions in the "
+                               "last minute", mdt, registry=r)
+        self.accept_tps = Gauge("dflash_accept_throughput_tps", "Tokens per second produced "
+                                "by verify rounds (accepted drafts + the main model's token) "
+                                "over the last minute", mdt, registry=r)
+        self.drafted = Counter("dflash_draft_tokens", "Draft tokens verified", mdt, registry=r)
+        self.accepted = Counter("dflash_accepted_tokens", "Draft tokens accepted", mdt,
+                                registry=r)
+        self.accepted_at = Counter("dflash_accepted_tokens_by_position", "Draft tokens "
+                                   "accepted, by position in the window", mdt + ["position"],
+                                   registry=r)
+        self.ttft = Histogram("dflash_ttft_ms", "Time to first token", mdt,
+                              buckets=MS_BUCKETS, registry=r)
+        self.itl = Histogram("dflash_itl_ms", "Inter-token latency", mdt, buckets=MS_BUCKETS,
+                             registry=r)
+        self.kv_usage = Gauge("dspar_kv_cache_usage_ratio", "Used / total KV blocks", md,
+                              registry=r)
+        self.kdr = Gauge("dspar_kv_cache_kdr", "Key density ratio (CHE)", md, registry=r)
+        self.vfi = Gauge("dspar_kv_cache_vfi", "Value fragmentation index (CHE)", md,
+                         registry=r)
+        self.clca = Gauge("dspar_kv_cache_clca", "Cross-layer length spread (CHE)", md,
+                          registry=r)
+        self.repairs = Gauge("dspar_kv_cache_repairs", "CHE repairs since start", md +
+                             ["kind"], registry=r)
+        self.degraded = Gauge("dflash_degrade_mode", "1 while RAS has degraded", md,
+                              registry=r)
+        self.switches = Gauge("dflash_resource_switches", "RAS mode switches since start", md,
+                              registry=r)
+        self.utilisation = Gauge("dflash_vlb_utilisation", "VLB utilisation", md, registry=r)
+        self.reloads = Gauge("dflash_config_reloads", "Config reloads since start, by result",
+                             md + ["result"], registry=r)
+        self.reload_errors = Gauge("dflash_config_reload_errors_total", "Rejected config "
+                                   "reloads since start", md, registry=r)
+        self.requests = Counter("dflash_requests", "Requests by endpoint and status",
+                                md + ["endpoint", "status"], registry=r)
+        self.rounds: deque = deque()  # (time, tenant, window, drafted, accepted)
+        self.verifies: deque = deque()  # (time, ms)
+        self.last_emit: dict[int, float] = {}
+        self.metered: dict[int, int] = {}  # tokens already counted per sequence
+
+    def _t(self, tenant: str) -> dict:
+        return {**self.labels, "tenant": tenant}
+
+    def request(self, endpoint: str, status: str) -> None:
+        self.requests.labels(**self.labels, endpoint=endpoint, status=status).inc()
+
+    def on_step(self, engine: Engine, advanced: list[Sequence], seconds: float) -> None:
+        """Engine thread, after each step."""
+        now = time.perf_counter()
+        if engine.last_verify_ms is not None:
+            self.verify.labels(**self.labels).observe(engine.last_verify_ms)
+            self.verifies.append((now, engine.last_verify_ms))
+        for tenant, window, drafted, accepted in engine.round_log:
+            t = self._t(tenant)
+            self.rounds.append((now, tenant, window, drafted, accepted))
+            self.drafted.labels(**t).inc(drafted)
+            self.accepted.labels(**t).inc(accepted)
+            for position in range(1, accepted + 1):
+                self.accepted_at.labels(**t, position=str(position)).inc()
+        for seq in advanced:
+            self._latencies(seq, now)
+
+    def _latencies(self, seq: Sequence, now: float) -> None:
+        seen = self.metered.get(seq.id, 0)
+        new = len(seq.generated) - seen
+        if new > 0:
+            t = self._t(seq.tenant)
+            last = self.last_emit.get(seq.id)
+            if seen == 0:
+                self.ttft.labels(**t).observe(1000 * (seq.first_token_at - seq.submitted))
+                new, last = new - 1, seq.first_token_at
+            for _ in range(new):  # a verify round emits several tokens at once
+                self.itl.labels(**t).observe(1000 * (now - last) / new)
+            self.metered[seq.id], self.last_emit[seq.id] = len(seq.generated), now
+        if seq.done:
+            self.metered.pop(seq.id, None)
+            self.last_emit.pop(seq.id, None)
+
+    def render(self, engine: Engine) -> bytes:
+        """Event loop, on scrape: refresh the rolling and state gauges, then expose."""
+        now = time.perf_counter()
+        for q in (self.rounds, self.verifies):
+            while q and now - q[0][0] > MINUTE:
+                q.popleft()
+        self._rolling(now)
+        h, lab = engine.health.health, self.labels
+        self.hit_rate.labels(**lab).set(engine.health.hit_rate)
+        self.kv_usage.labels(**lab).set(engine.arena.used_blocks / engine.plan.num_blocks)
+        self.kdr.labels(**lab).set(h.kdr)
+        self.vfi.labels(**lab).set(h.vfi)
+        self.clca.labels(**lab).set(h.clca)
+        self.repairs.labels(**lab, kind="compaction").set(engine.health.compactions)
+        self.repairs.labels(**lab, kind="defrag_move").set(engine.health.defrag_moves)
+        self.degraded.labels(**lab).set(int(engine.resources.degraded))
+        self.switches.labels(**lab).set(engine.resources.switches)
+        self.utilisation.labels(**lab).set(engine.balancer.utilisation)
+        if engine.watcher is not None:
+            for result, count in engine.watcher.reloads.items():
+                self.reloads.labels(**lab, result=result).set(count)
+            self.reload_errors.labels(**lab).set(engine.watcher.reloads["error"])
+        return generate_latest(self.registry)
+
+    def _rolling(self, now: float) -> None:
+        by_tenant: dict[str, list] = {}
+        for _, tenant, window, drafted, accepted in self.rounds:
+            by_tenant.setdefault(tenant, []).append((window, drafted, accepted))
+        for tenant, rounds in by_tenant.items():
+            t = self._t(tenant)
+            drafted = sum(r[1] for r in rounds)
+            self.window.labels(**t).set(sum(r[0] for r in rounds) / len(rounds))
+            self.reject.labels(**t).set(1 - sum(r[2] for r in rounds) / drafted if drafted else 0)
+            self.decisions.labels(**t).set(len(rounds))
+            span = max(1.0, min(MINUTE, now - self.rounds[0][0])) if self.rounds else MINUTE
+            self.accept_tps.labels(**t).set(sum(r[2] + 1 for r in rounds) / span)
+        latencies = sorted(ms for _, ms in self.verifies)
+        if latencies:
+            p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+            self.verify_p99.labels(**self.labels).set(p99)

@@ -1,0 +1,121 @@
+"""OpenAI request shapes (pydantic) and what DSpark does with them.
+
+Unknown fields are refused (as OpenAI does), and so are known options DSpark does not
+implement (n > 1, logprobs, penalties, tools...), each naming the field: never silently
+ignored. Extensions: `speculative_decoding` (default true) and `speculative_config`
+(`draft_model`, `max_window`), `top_k`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class SpeculativeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    draft_model: str | None = None
+    max_window: int | None = Field(None, ge=1, le=64)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+# Known OpenAI options DSpark does not implement, with the values that mean "off".
+NO_OP: dict[str, tuple] = {
+    "n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
+    "best_of": (None, 1), "suffix": (None,), "presence_penalty": (None, 0.0),
+    "frequency_penalty": (None, 0.0), "logit_bias": (None, {}), "tools": (None, []),
+    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+class GenerationParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    speculative_decoding: bool = True
+    speculative_config: SpeculativeConfig | None = None
+    user: str | None = None
+    metadata: dict | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    n: int | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    response_format: dict | None = None
+
+    def unsupported(self) -> str | None:
+        """The first option set to something DSpark does not implement."""
+        return next((k for k, ok in NO_OP.items() if getattr(self, k, None) not in ok), None)
+
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class ChatCompletionRequest(GenerationParams):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(GenerationParams):
+    prompt: str | list[int] | list[str]
+
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+
+class CacheResizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_length: int = Field(ge=16)
+
+
+class WarmupRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    draft_tokens: int = Field(8, ge=0, le=512)
+    main_tokens: int = Field(1, ge=1, le=512)

@@ -1,0 +1,38 @@
+"""Build and run the server: bundle -> engine -> service -> FastAPI app -> uvicorn."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from dspark.runtime.dflash.ras import probe_device
+from dspark.runtime.env import read_env
+from dspark.runtime.loader import load_engine
+from dspark.runtime.server.app import ServerState, create_app
+from dspark.runtime.server.metrics import Metrics
+from dspark.runtime.server.service import EngineService
+
+
+def model_id(bundle: Path) -> str:
+    name = bundle.resolve().name
+    return name.removesuffix(".dsmodel") or name
+
+
+def build_app(model: Path, api_key: str | None = None, max_batch: int = 16,
+              max_queue: int = 256, warmup: bool = True, config: Path | None = None,
+              policy: str | None = None, name: str | None = None):
+    engine, tokenizer = load_engine(model, max_batch=max_batch, policy=policy, config=config,
+                                    warmup=False)
+    served = name or model_id(model)
+    metrics = Metrics(served, probe_device().name)
+    service = EngineService(engine, max_queue, on_step=metrics.on_step)
+    state = ServerState(service, tokenizer, served, metrics,
+                        api_key or read_env().api_key, int(time.time()))
+    return create_app(state, warmup), state
+
+
+def serve(model: Path, host: str, port: int, **kwargs) -> None:
+    import uvicorn
+
+    app, _ = build_app(model, **kwargs)
+    uvicorn.run(app, host=host, port=port, log_level="warning")

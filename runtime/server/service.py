@@ -1,0 +1,162 @@
+"""The engine in its own thread; requests reach it through a queue, tokens come back to the
+event loop through each request's asyncio queue. Nothing here blocks the event loop.
+
+    HTTP handler --submit()--> commands --engine thread: engine.step()--> handle.events
+                 <--await handle.events.get()-- (call_soon_threadsafe)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dspark.runtime.engine import Engine
+from dspark.runtime.errors import QueueFullError
+from dspark.runtime.request import GenerationRequest, Sequence
+
+log = logging.getLogger("dspark.server")
+IDLE_WAIT_S = 0.05
+
+
+@dataclass
+class Handle:
+    """One request's channel from the engine thread back to its HTTP handler."""
+
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    seq: Sequence | None = None
+    sent: int = 0  # tokens already announced
+    error: Exception | None = None
+
+    def post(self, event: tuple) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class EngineService:
+    def __init__(self, engine: Engine, max_queue: int = 256,
+                 on_step: Callable[[Engine, list[Sequence], float], None] | None = None):
+        self.engine = engine
+        self.max_queue = max_queue
+        self.on_step = on_step
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.handles: dict[int, Handle] = {}
+        self.ready = threading.Event()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
+
+    # -- called from the event loop ---------------------------------------------------
+    def start(self, warmup: bool = True) -> None:
+        """Start the engine thread; /health turns ready after the warm-up (if any)."""
+        if warmup:
+            self.commands.put(("call", (lambda e: e.warmup(), None, None)))
+        self.commands.put(("call", (lambda e: self.ready.set(), None, None)))
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=10)
+
+    def submit(self, request: GenerationRequest) -> Handle:
+        """Queue a request (its shape was checked by the caller); 429 when the queue is full."""
+        waiting = self.commands.qsize() + self.engine.scheduler.pending
+        if waiting >= self.max_queue:
+            raise QueueFullError(f"{waiting} requests are waiting (limit {self.max_queue})")
+        self.engine.check(request)
+        handle = Handle(request, asyncio.get_running_loop())
+        self.commands.put(("submit", handle))
+        return handle
+
+    def cancel(self, handle: Handle) -> None:
+        self.commands.put(("cancel", handle))
+
+    def call(self, fn: Callable[[Engine], object]) -> asyncio.Future:
+        """Run fn(engine) in the engine thread between steps; a future of its result."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.commands.put(("call", (fn, future, loop)))
+        return future
+
+    # -- the engine thread ------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self.stopping.is_set():
+            self._drain(block=not self.engine.busy)
+            if not self.engine.busy:
+                self.engine.maintain()
+                continue
+            t0 = time.perf_counter()
+            try:
+                advanced = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
+                log.exception("engine step failed")
+                self._fail_all(e)
+                continue
+            self._notify(advanced)
+            if self.on_step is not None:
+                self.on_step(self.engine, advanced, time.perf_counter() - t0)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = (self.commands.get(timeout=IDLE_WAIT_S) if block
+                       else self.commands.get_nowait())
+        except queue.Empty:
+            return
+        while True:
+            self._run(*command)
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self, kind: str, arg) -> None:
+        if kind == "submit":
+            try:
+                arg.seq = self.engine.submit(arg.request)
+                self.handles[arg.seq.id] = arg
+            except Exception as e:  # noqa: BLE001 - reported to the handler
+                arg.post(("error", e))
+        elif kind == "cancel":
+            if arg.seq is not None and not arg.seq.done:
+                self.engine.cancel(arg.seq)
+            if arg.seq is not None:
+                self.handles.pop(arg.seq.id, None)
+        elif kind == "call":
+            fn, future, loop = arg
+            try:
+                result, error = fn(self.engine), None
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                result, error = None, e
+            if future is not None:
+                loop.call_soon_threadsafe(_settle, future, result, error)
+
+    def _notify(self, advanced: list[Sequence]) -> None:
+        for seq in advanced:
+            handle = self.handles.get(seq.id)
+            if handle is None:
+                continue
+            if len(seq.generated) > handle.sent or seq.done:
+                handle.sent = len(seq.generated)
+                handle.post(("tokens", handle.sent, seq.finish_reason))
+            if seq.done:
+                self.handles.pop(seq.id, None)
+
+    def _fail_all(self, error: Exception) -> None:
+        for handle in list(self.handles.values()):
+            if handle.seq is not None:
+                self.engine.cancel(handle.seq)
+            handle.post(("error", error))
+        self.handles.clear()
+
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,59 @@
+"""A real uvicorn server on 127.0.0.1 and a random port, in a thread of the test process."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from dspark.runtime.server.run import build_app
+
+
+class LiveServer:
+    def __init__(self, bundle, **kwargs):
+        self.app, self.state = build_app(bundle, **kwargs)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def engine(self):
+        return self.state.service.engine
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("server did not become ready")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+    def client(self, api_key: str = "none"):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0)
+
+    def wait_idle(self, timeout: float = 15) -> bool:
+        """True once no sequence runs and every KV block is free again."""
+        deadline = time.monotonic() + timeout
+        engine = self.engine
+        while time.monotonic() < deadline:
+            if not engine.busy and engine.arena.free_blocks == engine.plan.num_blocks:
+                return True
+            time.sleep(0.05)
+        return False

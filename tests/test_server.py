@@ -1,0 +1,242 @@
+"""The real server on loopback, driven by the official openai client (and raw HTTP where a
+client would not send such a request)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import LiveServer
+
+from cli_helpers import run_dsrun
+
+MODEL = "tok"
+CHAT = [{"role": "user", "content": "hello world w5 w9"}]
+
+
+@pytest.fixture(scope="module")
+def server(tok_bundle):
+    with LiveServer(tok_bundle) as live:
+        yield live
+
+
+def test_models_and_health(server):
+    client = server.client()
+    [model] = client.models.list().data
+    assert model.id == MODEL
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+
+
+def test_chat_completion(server):
+    resp = server.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12,
+                                                   temperature=0)
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    assert resp.usage.completion_tokens == 12 and resp.usage.prompt_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 12
+    stats = resp.model_extra["speculative_decoding_stats"]
+    assert stats["draft_tokens"] > 0 and stats["rounds"] > 0
+
+
+def test_greedy_over_http_equals_dsrun_generate(server, tok_bundle, capsys):
+    resp = server.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16,
+                                                   temperature=0)
+    r = run_dsrun(capsys, "generate", "--model", tok_bundle, "--chat", CHAT[0]["content"],
+                  "--max-tokens", "16", "--json")
+    assert resp.choices[0].message.content == json.loads(r.out)["text"]
+
+
+def test_streaming_matches_non_streaming(server):
+    client = server.client()
+    kwargs = dict(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in finals] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+
+
+def test_completions_plain_and_streaming(server):
+    client = server.client()
+    resp = client.completions.create(model=MODEL, prompt="hello world w7", max_tokens=8,
+                                     temperature=0)
+    assert resp.object == "text_completion" and resp.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="hello world w7", max_tokens=8, temperature=0, stream=True))
+    assert streamed == resp.choices[0].text
+    ids = client.completions.create(model=MODEL, prompt=[302, 303, 7], max_tokens=4,
+                                    temperature=0)
+    assert ids.usage.prompt_tokens == 3
+
+
+def test_stop_seed_and_sampling(server):
+    client = server.client()
+    base = client.completions.create(model=MODEL, prompt="hello world w3", max_tokens=10,
+                                     temperature=0).choices[0].text
+    word = base.split()[2]
+    cut = client.completions.create(model=MODEL, prompt="hello world w3", max_tokens=10,
+                                    temperature=0, stop=[word])
+    assert cut.choices[0].finish_reason == "stop" and word not in cut.choices[0].text
+    # a seed fixes plain sampling; with speculation the server adapts windows to its load,
+    # so a seeded sample may differ between calls (each one drawn from the main model's
+    # distribution), as OpenAI's seed is best-effort
+    runs = [client.completions.create(model=MODEL, prompt="hello world w3", max_tokens=10,
+                                      temperature=0.9, top_p=0.95, seed=11,
+                                      extra_body={"speculative_decoding": False}).choices[0].text
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_speculative_extensions(server):
+    client = server.client()
+    off = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12,
+                                         temperature=0, extra_body={"speculative_decoding": False})
+    on = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=12, temperature=0,
+        extra_body={"speculative_config": {"max_window": 2, "draft_model": "draft"}})
+    assert off.choices[0].message.content == on.choices[0].message.content
+    assert off.model_extra["speculative_decoding_stats"]["draft_tokens"] == 0
+    assert 0 < on.model_extra["speculative_decoding_stats"]["mean_window"] <= 2
+
+
+def _error(call):
+    with pytest.raises(openai.APIStatusError) as info:
+        call()
+    return info.value
+
+
+def test_errors_are_openai_objects(server):
+    client = server.client()
+    e = _error(lambda: client.chat.completions.create(model="gpt-9", messages=CHAT))
+    assert isinstance(e, openai.NotFoundError) and "does not exist" in e.message
+    e = _error(lambda: client.chat.completions.create(model=MODEL, messages=CHAT,
+                                                      max_tokens=500))
+    assert isinstance(e, openai.BadRequestError) and "maximum context length 64" in e.message
+    assert e.body["param"] == "max_tokens" and e.body["code"] == "context_length_exceeded"
+    for kwargs, param in (({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
+                          ({"presence_penalty": 0.5}, "presence_penalty")):
+        e = _error(lambda kw=kwargs: client.chat.completions.create(model=MODEL, messages=CHAT,
+                                                                    **kw))
+        assert isinstance(e, openai.BadRequestError) and e.body["param"] == param
+    e = _error(lambda: client.chat.completions.create(model=MODEL, messages=CHAT,
+                                                      extra_body={"foo": 1}))
+    assert e.status_code == 400 and "unrecognized request argument: foo" in e.message
+    e = _error(lambda: client.chat.completions.create(model=MODEL, messages=CHAT,
+                                                      temperature=7))
+    assert e.status_code == 400 and e.body["param"] == "temperature"
+    long = [{"role": "user", "content": " ".join(["w1"] * 80)}]
+    e = _error(lambda: client.chat.completions.create(model=MODEL, messages=long))
+    assert e.status_code == 400 and "maximum context length is 64" in e.message
+    e = _error(lambda: client.chat.completions.create(
+        model=MODEL, messages=CHAT, extra_body={"speculative_config": {"draft_model": "x"}}))
+    assert e.status_code == 400 and "draft model 'x'" in e.message
+    raw = httpx.post(f"{server.url}/v1/chat/completions", content=b"{nope",
+                     headers={"content-type": "application/json"})
+    assert raw.status_code == 400 and raw.json()["error"]["code"] == "invalid_json"
+    raw = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": 5})
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+
+
+def _metrics(server) -> dict:
+    text = httpx.get(f"{server.url}/metrics").text
+    return {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}, text
+
+
+def test_metrics_move(server):
+    client = server.client()
+    before, _ = _metrics(server)
+    client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0,
+                                   extra_headers={"X-Tenant-ID": "acme"})
+    after, text = _metrics(server)
+    for name in ("dflash_window_size_current", "dspar_kv_cache_hit_rate",
+                 "dflash_reject_rate_1m", "dspar_verify_latency_p99_ms",
+                 "dflash_scheduler_decision_count_1m", "dflash_accept_throughput_tps",
+                 "dflash_draft_tokens_total", "dflash_accepted_tokens_total",
+                 "dspar_kv_cache_usage_ratio", "dspar_kv_cache_kdr", "dflash_degrade_mode",
+                 "dflash_requests_total", "dflash_ttft_ms_count", "dflash_itl_ms_count",
+                 "dspar_verify_latency_ms_count", "dflash_config_reload_errors_total"):
+        assert name in after, name
+    assert 'tenant="acme"' in text and 'model="tok"' in text
+    assert after["dspar_verify_latency_ms_count"].value > before.get(
+        "dspar_verify_latency_ms_count", type("", (), {"value": 0})).value
+
+
+def test_disconnects_free_the_cache(server):
+    """50 streams cut mid-way: every request is cancelled and its KV blocks freed."""
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 40, "stream": True,
+            "temperature": 0}
+
+    def cut() -> None:
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body,
+                          timeout=30) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 3:
+                    break
+
+    threads = [threading.Thread(target=cut) for _ in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert server.wait_idle(), (server.engine.busy, server.engine.arena.free_blocks)
+
+
+def test_cache_resize_and_warmup(tok_bundle, tmp_path):
+    config = json.loads((tok_bundle / "dflash_config.json").read_text())
+    config["cache_resize_grace_period_sec"] = 0
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    with LiveServer(tok_bundle, config=tmp_path / "c.json") as live:
+        post = lambda path, body: httpx.post(f"{live.url}{path}", json=body, timeout=30)  # noqa: E731
+        assert post("/v1/warmup", {"draft_tokens": 8, "main_tokens": 1}).json()["seconds"] > 0
+        r = post("/v1/cache/resize", {"max_length": 32})
+        assert r.status_code == 200 and r.json()["max_length"] == 32
+        e = _error(lambda: live.client().chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=30))
+        assert "maximum context length 32" in e.message
+        r = post("/v1/cache/resize", {"max_length": 4096})  # the arena grows
+        assert r.status_code == 200 and r.json()["num_blocks"] >= 256
+        stream = live.client().chat.completions.create(model=MODEL, messages=CHAT,
+                                                       max_tokens=2000, stream=True)
+        next(iter(stream))
+        r = post("/v1/cache/resize", {"max_length": 64})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
+        stream.close()
+        assert post("/v1/cache/resize", {"max_length": 10}).status_code == 400
+
+
+def test_api_key(tok_bundle):
+    with LiveServer(tok_bundle, api_key="s3cret", warmup=False) as live:
+        e = _error(lambda: live.client().models.list())
+        assert isinstance(e, openai.AuthenticationError)
+        assert live.client("s3cret").models.list().data[0].id == MODEL
+        assert httpx.get(f"{live.url}/health").status_code == 200
+        assert httpx.get(f"{live.url}/metrics").status_code == 401
+
+
+def test_queue_full_is_429(tok_bundle):
+    with LiveServer(tok_bundle, max_batch=1, max_queue=1, warmup=False) as live:
+        results = []
+
+        def ask() -> None:
+            try:
+                live.client().completions.create(model=MODEL, prompt="hello world",
+                                                 max_tokens=40, temperature=0)
+                results.append("ok")
+            except openai.RateLimitError:
+                results.append("429")
+
+        threads = [threading.Thread(target=ask) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert "429" in results and "ok" in results
