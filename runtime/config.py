@@ -98,6 +98,21 @@ class VerifyBalanceConfig:
 
 
 @dataclass(frozen=True)
+class SchedulingConfig:
+    """TAS: how prompts are fed. A request arriving while a long prompt is fed waits for the
+    chunk in flight, so when several tenants are active long prompts go in small chunks
+    and never share a step with a prompt that fits whole."""
+
+    prefill_chunk_tokens: int = 256
+    shared_prefill_chunk_tokens: int = 32
+
+    def validate(self, path: str) -> None:
+        _check(self.prefill_chunk_tokens >= 1, f"{path}.prefill_chunk_tokens", "must be >= 1")
+        _check(1 <= self.shared_prefill_chunk_tokens <= self.prefill_chunk_tokens,
+               f"{path}.shared_prefill_chunk_tokens", "must lie in [1, prefill_chunk_tokens]")
+
+
+@dataclass(frozen=True)
 class TenantConfig:
     name: str = "default"
     max_window: int = 8
@@ -146,6 +161,7 @@ class DFlashConfig:
     cache_health: CacheHealthConfig = field(default_factory=CacheHealthConfig)
     verify_balance: VerifyBalanceConfig = field(default_factory=VerifyBalanceConfig)
     tenants: tuple[TenantConfig, ...] = (TenantConfig(),)
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     resources: ResourceConfig = field(default_factory=ResourceConfig)
     cache_resize_grace_period_sec: float = 30.0
 
@@ -154,6 +170,7 @@ class DFlashConfig:
         self.cache_health.validate("cache_health")
         self.verify_balance.validate("verify_balance")
         self.resources.validate("resources")
+        self.scheduling.validate("scheduling")
         for i, t in enumerate(self.tenants):
             t.validate(f"tenants[{i}]")
         names = [t.name for t in self.tenants]

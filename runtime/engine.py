@@ -38,7 +38,8 @@ from dspark.runtime.scheduler import Scheduler
 class Engine:
     def __init__(self, bundle: Bundle, policy: str | None = None, window: int | None = None,
                  max_batch: int = 16, eos_ids: tuple[int, ...] = (),
-                 decode: Callable[[list[int]], str] | None = None, prefill_tokens: int = 256,
+                 decode: Callable[[list[int]], str] | None = None,
+                 prefill_tokens: int | None = None,
                  config: DFlashConfig | None = None):
         self.bundle = bundle
         self.plan = bundle.plan

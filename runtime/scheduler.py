@@ -5,7 +5,9 @@
     plan:   every decoding sequence runs; prompts are fed in chunks, shortest remaining
             first (aged, so long prompts are not starved), at most `prefill_tokens` per step
 A long prompt is cut into chunks so a short request arriving behind it waits for one chunk,
-not for the whole prompt.
+not for the whole prompt. While several tenants are active the chunks are small
+(scheduling.shared_prefill_chunk_tokens) and a prompt that fits whole in a step does not
+share it with another prompt's chunk: a short request pays for its own prefill only.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from dspark.runtime.request import Sequence
 
 class Scheduler:
     def __init__(self, plan: MemoryPlan, config: DFlashConfig, max_batch: int,
-                 prefill_tokens: int = 256):
+                 prefill_tokens: int | None = None):
         self.plan = plan
         self.config = config
         self.max_batch = max_batch
-        self.prefill_tokens = prefill_tokens
+        self.fixed_chunk = prefill_tokens  # tests pin it; otherwise the config decides
         self.waiting: dict[str, deque[Sequence]] = {}
         self.running: list[Sequence] = []
         self.reserved: dict[int, int] = {}  # worst-case blocks of each running sequence
@@ -72,12 +74,30 @@ class Scheduler:
             if not seq.prefilling:
                 seq.chunk = seq.uncached
                 batch.append(seq)
+        shared = self.shared
         for seq in prefilling:
             seq.chunk = min(seq.uncached, budget)
+            if shared and batch and seq.chunk < seq.uncached and any(s.prefilling for s in batch):
+                seq.chunk = 0  # a short prompt runs this step alone with the decoders
             budget -= seq.chunk
             if seq.chunk:
                 batch.append(seq)
+            else:
+                seq.chunk = 0
         return batch
+
+    @property
+    def shared(self) -> bool:
+        """More than one tenant has running or waiting requests."""
+        active = {s.tenant for s in self.running} | {t for t, q in self.waiting.items() if q}
+        return len(active) > 1
+
+    @property
+    def prefill_tokens(self) -> int:
+        if self.fixed_chunk is not None:
+            return self.fixed_chunk
+        cfg = self.config.scheduling
+        return cfg.shared_prefill_chunk_tokens if self.shared else cfg.prefill_chunk_tokens
 
     def _urgency(self, seq: Sequence) -> tuple[float, float]:
         """Shortest remaining prompt first; each step waited takes 8 tokens off (aging)."""

@@ -55,8 +55,10 @@ def main() -> None:
     a, s = statistics.median(alone) * 1000, statistics.median(shared) * 1000
     print(f"small tenant ({args.short}-token prompts) TTFT: alone {a:.0f} ms, next to "
           f"{args.long}-token prompts {s:.0f} ms (ratio {s / a:.2f}; max shared "
-          f"{max(shared) * 1000:.0f} ms; prefill chunk {engine.scheduler.prefill_tokens} tokens;"
-          f" run {time.perf_counter() - t0:.0f} s)")
+          f"{max(shared) * 1000:.0f} ms; prompt chunks "
+          f"{engine.config.scheduling.prefill_chunk_tokens} tokens alone, "
+          f"{engine.config.scheduling.shared_prefill_chunk_tokens} shared; run "
+          f"{time.perf_counter() - t0:.0f} s)")
 
 
 if __name__ == "__main__":

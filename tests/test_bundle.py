@@ -109,3 +109,22 @@ def test_config_schema_ships_in_the_bundle(compiled):
                 {"cache_health": {"interval_ms": "fast"}}, {"tenants": [{"weight": "1"}]}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
+
+
+def test_monitoring_samples_are_valid():
+    """The alert fires only on high reject rate AND low accept throughput; the dashboard
+    queries metrics the server exposes."""
+    import yaml
+    from conftest import ROOT
+
+    rules = yaml.safe_load((ROOT / "samples/monitoring/dflash_alerts.yml").read_text())
+    [alert] = [r for g in rules["groups"] for r in g["rules"]
+               if r["alert"] == "DFlashSpeculationIneffective"]
+    expr = " ".join(alert["expr"].split())
+    assert "dflash_reject_rate_1m) > 0.3" in expr and " and " in expr
+    assert "dflash_accept_throughput_tps) < 50" in expr
+    dash = json.loads((ROOT / "samples/monitoring/grafana_dflash.json").read_text())
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+    for name in ("dflash_window_size_current", "dflash_reject_rate_1m",
+                 "dspar_verify_latency_p99_ms", "dspar_kv_cache_hit_rate", "dflash_ttft_ms"):
+        assert name in exprs

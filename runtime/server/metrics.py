@@ -84,6 +84,7 @@ class Metrics:
     def on_step(self, engine: Engine, advanced: list[Sequence], seconds: float) -> None:
         """Engine thread, after each step."""
         now = time.perf_counter()
+        self._prune(now)
         if engine.last_verify_ms is not None:
             self.verify.labels(**self.labels).observe(engine.last_verify_ms)
             self.verifies.append((now, engine.last_verify_ms))
@@ -116,9 +117,7 @@ class Metrics:
     def render(self, engine: Engine) -> bytes:
         """Event loop, on scrape: refresh the rolling and state gauges, then expose."""
         now = time.perf_counter()
-        for q in (self.rounds, self.verifies):
-            while q and now - q[0][0] > MINUTE:
-                q.popleft()
+        self._prune(now)
         self._rolling(now)
         h, lab = engine.health.health, self.labels
         self.hit_rate.labels(**lab).set(engine.health.hit_rate)
@@ -136,6 +135,17 @@ class Metrics:
                 self.reloads.labels(**lab, result=result).set(count)
             self.reload_errors.labels(**lab).set(engine.watcher.reloads["error"])
         return generate_latest(self.registry)
+
+    def _prune(self, now: float) -> None:
+        """Keep one minute of rounds and verifies (whether or not anyone scrapes)."""
+        for q in (self.rounds, self.verifies):
+            while q and now - q[0][0] > MINUTE:
+                q.popleft()
+
+    def forget(self, seq_id: int) -> None:
+        """A cancelled sequence: drop its latency bookkeeping."""
+        self.metered.pop(seq_id, None)
+        self.last_emit.pop(seq_id, None)
 
     def _rolling(self, now: float) -> None:
         by_tenant: dict[str, list] = {}

@@ -25,7 +25,8 @@ def build_app(model: Path, api_key: str | None = None, max_batch: int = 16,
                                     warmup=False)
     served = name or model_id(model)
     metrics = Metrics(served, probe_device().name)
-    service = EngineService(engine, max_queue, on_step=metrics.on_step)
+    service = EngineService(engine, max_queue, on_step=metrics.on_step,
+                            on_cancel=metrics.forget)
     state = ServerState(service, tokenizer, served, metrics,
                         api_key or read_env().api_key, int(time.time()))
     return create_app(state, warmup), state

@@ -40,10 +40,12 @@ class Handle:
 
 class EngineService:
     def __init__(self, engine: Engine, max_queue: int = 256,
-                 on_step: Callable[[Engine, list[Sequence], float], None] | None = None):
+                 on_step: Callable[[Engine, list[Sequence], float], None] | None = None,
+                 on_cancel: Callable[[int], None] | None = None):
         self.engine = engine
         self.max_queue = max_queue
         self.on_step = on_step
+        self.on_cancel = on_cancel
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.handles: dict[int, Handle] = {}
         self.ready = threading.Event()
@@ -125,6 +127,8 @@ class EngineService:
                 self.engine.cancel(arg.seq)
             if arg.seq is not None:
                 self.handles.pop(arg.seq.id, None)
+                if self.on_cancel is not None:
+                    self.on_cancel(arg.seq.id)
         elif kind == "call":
             fn, future, loop = arg
             try:
