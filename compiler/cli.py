@@ -38,9 +38,16 @@ def cli() -> None:
 @click.option("--max-seq-len", type=click.IntRange(min=1), default=2048, show_default=True)
 @click.option("--extra-draft", "extra", multiple=True, metavar="NAME=PATH",
               help="another draft the runtime may switch to (repeatable)")
+@click.option("--draft-tokenizer", type=PathArg, help="the draft's tokenizer folder "
+              "(default: DRAFT's folder when it has a tokenizer.json)")
+@click.option("--token-map", type=PathArg, help="draft->main token map "
+              "(ds-tokenizer-check --write-mapping)")
+@click.option("--auto-token-map", is_flag=True, help="map draft tokens to main tokens with "
+              "the same string when the tokenizers differ")
 @click.option("--json", "as_json", is_flag=True, help="print the manifest as JSON")
 def compile_cmd(main: Path, draft: Path, out: Path, tokenizer: Path | None, force: bool,
                 kv_budget_mb: float, block_size: str, max_seq_len: int, extra: tuple[str, ...],
+                draft_tokenizer: Path | None, token_map: Path | None, auto_token_map: bool,
                 as_json: bool) -> None:
     """Compile MAIN and DRAFT (ONNX, with KV-cache I/O) into the bundle OUT."""
     extras = []
@@ -50,7 +57,8 @@ def compile_cmd(main: Path, draft: Path, out: Path, tokenizer: Path | None, forc
             raise click.BadParameter(f"{item!r}: expected NAME=PATH", param_hint="--extra-draft")
         extras.append((name, Path(path)))
     opts = CompileOptions(main, draft, out, tokenizer, force, kv_budget_mb, int(block_size),
-                          max_seq_len, tuple(extras))
+                          max_seq_len, tuple(extras), draft_tokenizer, token_map,
+                          auto_token_map)
     progress = Progress()
     manifest = compile_bundle(opts, progress)
     if as_json:

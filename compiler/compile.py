@@ -17,12 +17,14 @@ from dspark.compiler.contract import InputContract, check_contract, load_header
 from dspark.compiler.kernel_stage import kernel_constants, render_kernels
 from dspark.compiler.model_pipeline import compile_model
 from dspark.compiler.progress import Progress
+from dspark.compiler.token_gate import draft_tokenizer, resolve_token_map
 from dspark.compiler.tokenizer import copy_tokenizer, find_tokenizer, tokenizer_vocab_size
 from dspark.runtime.bundle import MEMORY_PLAN_FILE, TOKENIZER_DIR, dump_json
 from dspark.runtime.config import CONFIG_FILE, CONFIG_SCHEMA_FILE, DFlashConfig
 from dspark.runtime.config_schema import config_schema
 from dspark.runtime.errors import DSparkError, ModelInputError
 from dspark.runtime.memory_plan import plan_memory
+from dspark.runtime.token_map import TOKEN_MAP_FILE, TokenMap
 from dspark.runtime.version import BUNDLE_FORMAT_VERSION, __version__
 
 ROLES = ("main", "draft")
@@ -40,6 +42,9 @@ class CompileOptions:
     block_size: int = 16
     max_seq_len: int = 2048
     extra_drafts: tuple[tuple[str, Path], ...] = ()  # (name, path): role "draft_<name>"
+    draft_tokenizer: Path | None = None
+    token_map: Path | None = None
+    auto_token_map: bool = False
 
     def __post_init__(self) -> None:
         names = [n for n, _ in self.extra_drafts]
@@ -53,6 +58,10 @@ class CompileOptions:
         return {"kv_budget_mb": self.kv_budget_mb, "block_size": self.block_size,
                 "max_seq_len": self.max_seq_len,
                 "extra_drafts": [n for n, _ in self.extra_drafts]}
+
+    def vocab_checked(self, role: str) -> bool:
+        """A draft with a token map may have its own vocabulary."""
+        return not (role == "draft" and (self.token_map or self.auto_token_map))
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -83,29 +92,43 @@ def _check_vocab(paths: dict[str, Path], vocab: dict[str, int | None]) -> None:
         )
 
 
-def check_inputs(opts: CompileOptions) -> tuple[dict[str, InputContract], Path | None]:
+def check_inputs(opts: CompileOptions
+                 ) -> tuple[dict[str, InputContract], Path | None, TokenMap | None]:
     contracts = {r: check_contract(opts.model_path(r), load_header(opts.model_path(r)))
                  for r in opts.roles}
-    for role in opts.roles[1:]:
+    for role in (r for r in opts.roles[1:] if opts.vocab_checked(r)):
         _check_vocab({"main": opts.main, "draft": opts.model_path(role)},
                      {"main": contracts["main"].vocab_size, "draft": contracts[role].vocab_size})
     tokenizer = find_tokenizer(opts.tokenizer, opts.main)
     if tokenizer is not None:
         tokenizer_vocab_size(tokenizer)
+    mapping = resolve_token_map(tokenizer, draft_tokenizer(opts.draft_tokenizer, opts.draft),
+                                opts.token_map, opts.auto_token_map)
     check_output(opts.out, opts.force)
-    return contracts, tokenizer
+    return contracts, tokenizer, mapping
+
+
+def _check_map(mapping: TokenMap, opts: CompileOptions, vocab: dict[str, int]) -> None:
+    where = opts.token_map or "--auto-token-map"
+    if len(mapping.draft_to_main) > vocab["draft"] or mapping.main_vocab > vocab["main"]:
+        raise DSparkError(f"{where}: maps {len(mapping.draft_to_main)} draft ids onto "
+                          f"{mapping.main_vocab} main ids; the models have {vocab['draft']} "
+                          f"and {vocab['main']}")
 
 
 def compile_bundle(opts: CompileOptions, progress: Progress) -> dict:
     """Compile and publish the bundle; returns the manifest."""
-    contracts, tokenizer = check_inputs(opts)
+    contracts, tokenizer, mapping = check_inputs(opts)
     with tempfile.TemporaryDirectory(prefix="dsc-") as work, staged_bundle(opts.out) as tmp:
         specs = {r: compile_model(contracts[r], r, Path(work), tmp, progress)
                  for r in opts.roles}
         vocab = {r: s.vocab_size for r, s in specs.items()}
-        for role in opts.roles[1:]:
+        for role in (r for r in opts.roles[1:] if opts.vocab_checked(r)):
             _check_vocab({"main": opts.main, "draft": opts.model_path(role)},
                          {"main": vocab["main"], "draft": vocab[role]})
+        if mapping is not None:
+            _check_map(mapping, opts, vocab)
+            (tmp / TOKEN_MAP_FILE).write_bytes(dump_json(mapping.to_json()))
         with progress.stage("layout"):
             plan = plan_memory([specs[r] for r in opts.roles], int(opts.kv_budget_mb * 2**20),
                                opts.block_size, opts.max_seq_len)
@@ -125,6 +148,7 @@ def compile_bundle(opts: CompileOptions, progress: Progress) -> dict:
             "flags": opts.flags(),
             "models": {r: s.to_dict() for r, s in specs.items()},
             "tokenizer": tokenizer_files,
+            "token_map": TOKEN_MAP_FILE if mapping is not None else None,
             "files": list_files(tmp),
         }
         publish(tmp, opts.out, manifest)

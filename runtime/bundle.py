@@ -20,6 +20,7 @@ from dspark.runtime.config import CONFIG_FILE, DFlashConfig, load_config
 from dspark.runtime.errors import BundleError
 from dspark.runtime.memory_plan import MemoryPlan
 from dspark.runtime.spec import ModelSpec
+from dspark.runtime.token_map import TokenMap
 from dspark.runtime.version import BUNDLE_FORMAT_VERSION
 
 MANIFEST_FILE = "manifest.json"
@@ -58,6 +59,15 @@ class Bundle:
 
     def model(self, role: str) -> ModelSpec:
         return self.models[role]
+
+    @property
+    def token_map(self) -> TokenMap | None:
+        """The draft->main map of the default draft, when its tokenizer differs."""
+        name = self.manifest.get("token_map")
+        if not name:
+            return None
+        return TokenMap.load(self.root / name, self.models["draft"].vocab_size,
+                             self.models["main"].vocab_size)
 
     @property
     def drafts(self) -> dict[str, int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from dspark.runtime.cli_util import fail, run_cli
+from dspark.runtime.cli_util import run_cli
 from dspark.runtime.errors import DSparkError
 from dspark.runtime.request import GenerationRequest, Sequence
 from dspark.runtime.sampling import SamplingParams
@@ -197,6 +197,3 @@ def main() -> None:
 def inference_server_main() -> None:
     run_cli(inference_server, "ds-inference-server", sys.argv[1:])
 
-
-def tokenizer_check() -> None:
-    fail("ds-tokenizer-check", "not yet implemented (lands with the tokenizer alignment issue)", 2)

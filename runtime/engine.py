@@ -51,6 +51,7 @@ class Engine:
         self.resources = ResourceManager(self.config.resources, probe_device(), bundle.drafts)
         self.draft = self.drafts[self.resources.draft]
         self.vocab_size = bundle.model("main").vocab_size
+        self.token_map = bundle.token_map  # the default draft's ids -> main ids, if they differ
         self.policy_name = policy or self.config.window.policy
         self.fixed_window = window or self.config.window.initial
         make_policy(self.policy_name, window=self.fixed_window)  # unknown names fail now
@@ -118,7 +119,7 @@ class Engine:
         if seq.draft_role != runner.role:
             if seq.draft_role is not None:
                 self.arena.rollback(seq.id, self.drafts[seq.draft_role].pool, 0)
-            seq.draft_role, seq.draft_cached = runner.role, 0
+            seq.draft_role, seq.draft_cached, seq.draft_offsets = runner.role, 0, [0]
             seq.drafts, seq.draft_probs, seq.draft_conf = [], [], []
         return runner
 
@@ -257,7 +258,14 @@ class Engine:
         for seq in drafting:
             groups.setdefault(self._bind_draft(seq).role, []).append(seq)
         for role, group in groups.items():
-            run_drafts(self.drafts[role], group, keep, self.scheduler.prefill_tokens, record)
+            tmap = self.token_map if role == "draft" else None
+            run_drafts(self.drafts[role], group, keep, self.scheduler.prefill_tokens, record,
+                       tmap, self._room)
+
+    def _room(self, seq: Sequence) -> int:
+        """Positions a sequence may fill in any pool: its reservation, the max length."""
+        reserved = self.scheduler.reserved.get(seq.id, 0) * self.plan.block_size
+        return min(reserved, self.plan.max_seq_len)
 
     def balance(self, batch: list[Sequence]) -> None:
         """How many drafts each sequence verifies now (VLB; goodput's slot selection)."""
@@ -323,7 +331,8 @@ class Engine:
         self.arena.rollback(seq.id, "main", seq.main_cached)
         if seq.draft_cached > same:
             seq.draft_cached = same
-            self.arena.rollback(seq.id, self.drafts[seq.draft_role].pool, same)
+            del seq.draft_offsets[same + 1:]
+            self.arena.rollback(seq.id, self.drafts[seq.draft_role].pool, seq.draft_offsets[-1])
         held = k + 1 if keep_held else len(drafts)
         seq.drafts, seq.draft_probs = drafts[held:], seq.draft_probs[held:]
         seq.draft_conf = seq.draft_conf[held:]

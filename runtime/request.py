@@ -91,7 +91,8 @@ class Sequence:
         self.tokens = list(request.prompt_ids)
         self.prompt_len = len(self.tokens)
         self.main_cached = 0  # tokens whose KV the main pool holds (always len(tokens) - 1 after)
-        self.draft_cached = 0
+        self.draft_cached = 0  # tokens of tokens + drafts the draft model has read
+        self.draft_offsets = [0]  # draft positions after each of those (a token map expands)
         self.draft_role: str | None = None  # whose pool holds the draft cache
         self.drafts: list[int] = []  # drafted, not yet verified (held ones carry over)
         self.draft_probs: list[np.ndarray] = []

@@ -18,7 +18,7 @@ from dspark.compiler.hf_export import export_causal_lm
 ARCHS = ("llama", "gpt2")
 FORMS = ("classic", "dynamo")
 VOCAB = 320
-RECIPE = 2  # bump when fixture configs change
+RECIPE = 3  # bump when fixture configs change
 
 
 def _config(arch: str, layers: int, attn: str):
@@ -79,3 +79,65 @@ def build_fixtures(root: Path) -> dict[tuple[str, str], tuple[Path, Path]]:
                 tmp.rename(d)
             pairs[(arch, form)] = paths
     return pairs
+
+
+EMOJI = "🛒"
+SHIFT = 11  # draft id = (main id + SHIFT) % VOCAB
+
+
+def _main_words() -> list[str]:
+    words = [f"w{i}" for i in range(300)] + ["<user>", "<assistant>", "hello", "world",
+                                             "<system>", EMOJI, "Add", "to", "cart"]
+    return words + [f"x{i}" for i in range(VOCAB - len(words))]  # every model id a word
+
+
+def _tokenizer(vocab: dict[str, int], byte_level: bool):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    steps = [pre_tokenizers.Split(Regex(r"\s+"), behavior="removed"),
+             pre_tokenizers.Split(Regex(r"<[a-z]+>"), behavior="isolated")]
+    if byte_level:  # the seed's draft: non-ASCII text becomes one token per byte
+        steps += [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                  pre_tokenizers.Split(Regex(r"[^\x00-\x7F]"), behavior="isolated")]
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    if byte_level:
+        tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def build_mapped_pair(root: Path) -> dict[str, Path]:
+    """A main with one token for the emoji, and a draft whose tokenizer has the emoji as
+    four byte tokens and every other id shifted: the draft is the main model with its
+    vocabulary rows permuted into that layout, so once mapped it predicts like the main."""
+    import json
+
+    folder = root / f"fixtures-{recipe_hash()}" / "mapped"
+    paths = {"main": folder / "main" / "main.onnx", "draft": folder / "draft" / "draft.onnx",
+             "main_tok": folder / "main", "draft_tok": folder / "draft"}
+    if paths["main"].exists() and paths["draft"].exists():
+        return paths
+    words = _main_words()
+    main_vocab = {w: i for i, w in enumerate(words)}
+    missing = {EMOJI, "x0", "x1", "x2"}  # the draft has 4 byte tokens in their place
+    draft_vocab = {w: (i + SHIFT) % VOCAB for i, w in enumerate(words) if w not in missing}
+    emoji_bytes = [chr(c) for c in (0xF0, 0x141, 0x13D, 0x134)]  # ByteLevel's f0 9f 9b 92
+    free = sorted(set(range(VOCAB)) - set(draft_vocab.values()))
+    draft_vocab.update(dict(zip(emoji_bytes, free)))
+    tmp = folder.with_suffix(".tmp")
+    for side, vocab, byte_level in (("main", main_vocab, False), ("draft", draft_vocab, True)):
+        (tmp / side).mkdir(parents=True, exist_ok=True)
+        _tokenizer(vocab, byte_level).save(str(tmp / side / "tokenizer.json"))
+        (tmp / side / "tokenizer_config.json").write_text(json.dumps({"unk_token": "w0"}))
+    main, _ = make_pair("llama", "eager")
+    draft, _ = make_pair("llama", "eager")
+    order = torch.zeros(VOCAB, dtype=torch.long)  # draft row d <- main row order[d]
+    for w, d in draft_vocab.items():
+        order[d] = main_vocab.get(w, main_vocab["w0"])
+    with torch.no_grad():
+        draft.model.embed_tokens.weight.copy_(main.model.embed_tokens.weight[order])
+        draft.lm_head.weight.copy_(main.lm_head.weight[order])
+    export_causal_lm(main, tmp / "main" / "main.onnx", "classic")
+    export_causal_lm(draft, tmp / "draft" / "draft.onnx", "classic")
+    tmp.rename(folder)
+    return paths

@@ -192,4 +192,4 @@ def test_console_scripts_exit_2_with_one_line():
     r = subprocess.run([os.path.join(bindir, "dsrun")], capture_output=True, text=True)
     assert r.returncode == 2 and "give --model BUNDLE" in r.stderr
     r = subprocess.run([os.path.join(bindir, "ds-tokenizer-check")], capture_output=True, text=True)
-    assert r.returncode == 2 and "not yet implemented" in r.stderr
+    assert r.returncode == 2 and "--draft-model" in r.stderr
