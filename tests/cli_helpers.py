@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import click
 import pytest
 
 from dspark.compiler.cli import cli
@@ -17,19 +18,19 @@ class Result:
     err: str
 
 
-def run_dsc(capsys: pytest.CaptureFixture, *args: str) -> Result:
+def _run(capsys: pytest.CaptureFixture, command: click.Command, prog: str, args) -> Result:
     capsys.readouterr()
     with pytest.raises(SystemExit) as exc:
-        run_cli(cli, "dsc", [str(a) for a in args])
+        run_cli(command, prog, [str(a) for a in args])
     captured = capsys.readouterr()
     return Result(int(exc.value.code or 0), captured.out, captured.err)
+
+
+def run_dsc(capsys: pytest.CaptureFixture, *args: str) -> Result:
+    return _run(capsys, cli, "dsc", args)
 
 
 def run_dsrun(capsys: pytest.CaptureFixture, *args: str) -> Result:
     from dspark.runtime.cli import cli as dsrun_cli
 
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exc:
-        run_cli(dsrun_cli, "dsrun", [str(a) for a in args])
-    captured = capsys.readouterr()
-    return Result(int(exc.value.code or 0), captured.out, captured.err)
+    return _run(capsys, dsrun_cli, "dsrun", args)
