@@ -219,6 +219,7 @@ class Engine:
     def policy(self, tenant: str) -> WindowPolicy:
         if tenant not in self.policies:
             self.policies[tenant] = make_policy(self.policy_name, window=self.fixed_window,
+                                                start=self.resources.row.window,
                                                 config=self.config.window, costs=self.costs)
         return self.policies[tenant]
 

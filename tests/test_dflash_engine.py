@@ -51,7 +51,7 @@ def test_ras_degrades_and_recovers_without_failing_requests(two_drafts):
     config = DFlashConfig(resources=ResourceConfig(
         table=(ResourceRow("cpu", 8),), degrade_usage=0.3, degrade_after_s=0.05))
     engine = Engine(open_bundle(path), "fixed", 8, config=config, max_batch=8)
-    assert engine.draft.role == "draft" and engine.resources.window_cap == 8
+    assert engine.draft.role == "draft" and engine.resources.window_cap == 16
     original = OriginalModel(main)
     rng = np.random.default_rng(2)
     prompts = [[int(t) for t in rng.integers(0, 320, 20)] for _ in range(6)]

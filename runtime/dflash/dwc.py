@@ -7,7 +7,10 @@ Per round, from statistics only:
     0.3 <= PLNP <= 0.7                                   -> 6, 7 when the draft's confidence
         slope (mean |first difference| of its top-1 probability along the last window)
         is < 0.15, 8 when also the mean entropy (nats) of its renormalised top-3 is < 0.85
-then clamped to [min_window, cap].
+then clamped to [min_window, cap]. The windows are the config's for a device whose RAS row
+starts at `window.initial`; on a device whose row starts elsewhere (the seed's table: A10G
+4, A100 6, H100 8) every rule's window scales by row / initial, so the same rules serve a
+slow CPU (row 2: 2, 3-4, 2) and a fast GPU (row 8: 8, 12-16, 6).
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ class DwcState:
 class DynamicWindow:
     name = "dflash"
 
-    def __init__(self, config: WindowConfig | None = None, **_):
+    def __init__(self, config: WindowConfig | None = None, start: int | None = None, **_):
         self.config = config or WindowConfig()
+        self.start = start or self.config.initial  # the device's starting window (RAS)
         self.states: dict[int, DwcState] = {}
 
     def _target(self, view: RoundView, state: DwcState) -> int:
@@ -50,7 +54,8 @@ class DynamicWindow:
 
     def window(self, view: RoundView) -> int:
         state = self.states.setdefault(view.seq_id, DwcState())
-        return max(self.config.min_window, min(self._target(view, state), view.cap))
+        scaled = round(self._target(view, state) * self.start / self.config.initial)
+        return max(self.config.min_window, min(scaled, view.cap))
 
     def keep_drafting(self, view: RoundView, drafted: int) -> bool:
         return True

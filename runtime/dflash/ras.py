@@ -2,7 +2,8 @@
 degradation under memory pressure.
 
 At start the device is probed (GPU name and memory through torch, else the CPU model, cores
-and RAM) and the first matching row of the config's table gives the window cap and the
+and RAM) and the first matching row of the config's table gives the starting window (DWC
+scales its rules to it), the window cap (twice the start, at most the config's max) and the
 preferred draft. While KV arena use stays above `degrade_usage` for `degrade_after_s`, it
 degrades: the smallest draft in the bundle, the window cap lowered to
 `degraded_max_window`, no delta log. When use stays below the threshold (with 10% of
@@ -81,9 +82,8 @@ class ResourceManager:
 
     @property
     def window_cap(self) -> int:
-        if self.degraded:
-            return min(self.row.window, self.config.degraded_max_window)
-        return self.row.window
+        cap = 2 * self.row.window
+        return min(cap, self.config.degraded_max_window) if self.degraded else cap
 
     @property
     def draft(self) -> str:
