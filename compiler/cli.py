@@ -44,11 +44,12 @@ def cli() -> None:
               "(ds-tokenizer-check --write-mapping)")
 @click.option("--auto-token-map", is_flag=True, help="map draft tokens to main tokens with "
               "the same string when the tokenizers differ")
+@click.option("--no-aot", is_flag=True, help="skip compiling the kernels to cubin (JIT-only)")
 @click.option("--json", "as_json", is_flag=True, help="print the manifest as JSON")
 def compile_cmd(main: Path, draft: Path, out: Path, tokenizer: Path | None, force: bool,
                 kv_budget_mb: float, block_size: str, max_seq_len: int, extra: tuple[str, ...],
                 draft_tokenizer: Path | None, token_map: Path | None, auto_token_map: bool,
-                as_json: bool) -> None:
+                no_aot: bool, as_json: bool) -> None:
     """Compile MAIN and DRAFT (ONNX, with KV-cache I/O) into the bundle OUT."""
     extras = []
     for item in extra:
@@ -58,7 +59,7 @@ def compile_cmd(main: Path, draft: Path, out: Path, tokenizer: Path | None, forc
         extras.append((name, Path(path)))
     opts = CompileOptions(main, draft, out, tokenizer, force, kv_budget_mb, int(block_size),
                           max_seq_len, tuple(extras), draft_tokenizer, token_map,
-                          auto_token_map)
+                          auto_token_map, not no_aot)
     progress = Progress()
     manifest = compile_bundle(opts, progress)
     if as_json:

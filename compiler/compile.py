@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dspark.compiler.bundle_writer import check_output, list_files, publish, staged_bundle
 from dspark.compiler.contract import InputContract, check_contract, load_header
-from dspark.compiler.kernel_stage import kernel_constants, render_kernels
+from dspark.compiler.kernel_stage import build_kernels
 from dspark.compiler.model_pipeline import compile_model
 from dspark.compiler.progress import Progress
 from dspark.compiler.token_gate import draft_tokenizer, resolve_token_map
@@ -45,6 +45,7 @@ class CompileOptions:
     draft_tokenizer: Path | None = None
     token_map: Path | None = None
     auto_token_map: bool = False
+    aot: bool = True  # compile the kernels to cubin (else the bundle is JIT-only)
 
     def __post_init__(self) -> None:
         names = [n for n, _ in self.extra_drafts]
@@ -134,10 +135,7 @@ def compile_bundle(opts: CompileOptions, progress: Progress) -> dict:
                                opts.block_size, opts.max_seq_len)
             (tmp / MEMORY_PLAN_FILE).write_bytes(dump_json(plan.to_dict()))
         with progress.stage("kernels"):
-            for rel, data in render_kernels([kernel_constants(s, plan)
-                                             for s in specs.values()]).items():
-                (tmp / "kernels" / rel).parent.mkdir(parents=True, exist_ok=True)
-                (tmp / "kernels" / rel).write_bytes(data)
+            kernels = build_kernels(specs, plan, tmp, Path(work), progress, opts.aot)
         tokenizer_files = _write_tokenizer(tokenizer, tmp, vocab["main"])
         (tmp / CONFIG_FILE).write_bytes(dump_json(DFlashConfig().to_dict()))
         (tmp / CONFIG_SCHEMA_FILE).write_bytes(dump_json(config_schema()))
@@ -149,6 +147,8 @@ def compile_bundle(opts: CompileOptions, progress: Progress) -> dict:
             "models": {r: s.to_dict() for r, s in specs.items()},
             "tokenizer": tokenizer_files,
             "token_map": TOKEN_MAP_FILE if mapping is not None else None,
+            "kernels": {"mode": kernels["mode"], "archs": kernels["archs"],
+                        "triton": kernels.get("triton"), "reason": kernels.get("reason")},
             "files": list_files(tmp),
         }
         publish(tmp, opts.out, manifest)

@@ -17,7 +17,7 @@ def inspect_dict(bundle: Bundle) -> dict:
             bundle.models, key=lambda r: (r != "main", r != "draft", r))},
         "memory_plan": bundle.plan.to_dict(),
         "config": bundle.config.to_dict(),
-        "kernels": sorted(f for f in bundle.manifest["files"] if f.startswith("kernels/")),
+        "kernels": bundle.manifest.get("kernels", {}),
         "tokenizer": bundle.manifest.get("tokenizer", []),
         "files": len(bundle.manifest["files"]),
         "bytes": sum(e["size"] for e in bundle.manifest["files"].values()),
@@ -55,6 +55,9 @@ def inspect_text(bundle: Bundle) -> str:
     )
     lines.append(f"  config: window policy {cfg.window.policy} (initial {cfg.window.initial}, "
                  f"max {cfg.window.max_window}), tenants {[t.name for t in cfg.tenants]}")
-    lines.append("  kernels: " + (", ".join(d["kernels"]) or "none in bundle (runtime JIT)"))
+    k = d["kernels"]
+    lines.append(f"  kernels: {k.get('mode', 'none')}" + (
+        f", cubin for {', '.join(k['archs'])} (triton {k.get('triton')})" if k.get("archs")
+        else f" ({k.get('reason')})" if k.get("reason") else ""))
     lines.append("  tokenizer: " + (", ".join(d["tokenizer"]) or "none (use --prompt-ids)"))
     return "\n".join(lines)

@@ -23,6 +23,11 @@ class RuntimeEnv:
             raise DSparkError(f"DSPARK_THREADS must be >= 1, got {self.threads}")
 
 
+def child_env(drop: tuple[str, ...]) -> dict[str, str]:
+    """This process's environment without `drop`, for a child that must not inherit them."""
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
 def read_env() -> RuntimeEnv:
     raw = os.environ.get("DSPARK_THREADS", "")
     try:

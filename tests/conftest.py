@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import sys
+
+# The DSpark Triton kernels run on CPU tensors under Triton's interpreter in tests; Triton
+# reads this when it is first imported (its own library functions are decorated then).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 from pathlib import Path
 
 import pytest

@@ -178,7 +178,7 @@ def test_failure_mid_compile_leaves_nothing(capsys, llama, outdir, monkeypatch):
     def boom(*_):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(compile_mod, "render_kernels", boom)
+    monkeypatch.setattr(compile_mod, "build_kernels", boom)
     r = run_dsc(capsys, "compile", *llama, "-o", outdir / "b.dsmodel")
     assert r.code == 130 and "interrupted" in r.err
     _only(outdir / "b.dsmodel", [])

@@ -1,0 +1,94 @@
+"""Ahead-of-time compilation of the rendered kernels to cubin with Triton's own compiler
+(`triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))` needs no GPU).
+
+Run as a module in a child process (`python -m dspark.kernels.aot SPEC_JSON OUT ARCHS`) so
+that the caller's Triton mode (e.g. the interpreter in tests) cannot leak into it and a
+broken toolchain cannot take the caller down. For each arch it writes, per kernel, the cubin
+and Triton's metadata JSON (what triton.compiler.CompiledKernel loads), and prints an index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from dspark.kernels.spec import TRITON_PTR, KernelSpec
+
+ARCHS = (80, 90)
+# kernel -> (template, argument types in order, warps); pointers of the model's dtype: "*T"
+KERNELS = {
+    "_verify_attention_kernel": ("verify_attention", [
+        ("Q", "*T"), ("K", "*T"), ("V", "*T"), ("O", "*T"), ("BlockTables", "*i32"),
+        ("SeqStart", "*i32"), ("SeqNew", "*i32"), ("SeqQOff", "*i32"), ("scale", "fp32"),
+        ("stride_bt", "i32"), ("UPCAST", "constexpr")], 4),
+    "_kv_inject_kernel": ("kv_cache", [
+        ("KNew", "*T"), ("VNew", "*T"), ("K", "*T"), ("V", "*T"), ("TokBlock", "*i32"),
+        ("TokOffset", "*i32")], 1),
+    "_kv_zero_kernel": ("kv_cache", [
+        ("K", "*T"), ("V", "*T"), ("SlotBlock", "*i32"), ("SlotOffset", "*i32")], 1),
+}
+
+
+class ToolchainError(RuntimeError):
+    """Triton could not compile for CUDA here (no backend, no ptxas...)."""
+
+
+def _compile(spec: KernelSpec, out: Path, archs: tuple[int, ...], src: Path) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dspark.kernels.render import load
+
+    index: dict = {"triton": triton.__version__, "spec": asdict(spec), "archs": {}}
+    for arch in archs:
+        folder = out / f"sm_{arch}"
+        folder.mkdir(parents=True, exist_ok=True)
+        entries = index["archs"][f"sm_{arch}"] = {}
+        for name, (template, args, warps) in KERNELS.items():
+            fn = getattr(load(template, spec, str(src)), name)
+            signature = {a: TRITON_PTR[spec.dtype] if t == "*T" else t for a, t in args}
+            constexprs = {(i,): False for i, (_, t) in enumerate(args) if t == "constexpr"}
+            compiled = triton.compile(ASTSource(fn=fn, signature=signature,
+                                                constexprs=constexprs),
+                                      target=GPUTarget("cuda", arch, 32),
+                                      options={"num_warps": warps})
+            cubin = compiled.asm["cubin"]
+            (folder / f"{name}.cubin").write_bytes(cubin)
+            meta = json.dumps(compiled.metadata._asdict(), default=vars, sort_keys=True)
+            (folder / f"{name}.json").write_text(meta)
+            entries[name] = {"cubin": f"sm_{arch}/{name}.cubin",
+                             "metadata": f"sm_{arch}/{name}.json", "bytes": len(cubin),
+                             "sha256": hashlib.sha256(cubin).hexdigest(), "num_warps": warps,
+                             "shared": compiled.metadata.shared}
+    return index
+
+
+def compile_cubins(spec: KernelSpec, out: Path, src: Path, archs: tuple[int, ...] = ARCHS,
+                   env: dict | None = None, timeout: float = 600) -> dict:
+    """Compile in a child process (rendered sources cached in `src`); the index of what was
+    written under `out`, or ToolchainError."""
+    cmd = [sys.executable, "-m", "dspark.kernels.aot", json.dumps(asdict(spec)), str(out),
+           ",".join(map(str, archs)), str(src)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ToolchainError(f"the Triton compiler did not run: {e}") from None
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ToolchainError(f"Triton cannot compile for CUDA here: {last}")
+    return json.loads(r.stdout)
+
+
+def main() -> None:
+    spec = KernelSpec(**json.loads(sys.argv[1]))
+    archs = tuple(int(a) for a in sys.argv[3].split(","))
+    print(json.dumps(_compile(spec, Path(sys.argv[2]), archs, Path(sys.argv[4]))))
+
+
+if __name__ == "__main__":
+    main()
