@@ -19,17 +19,26 @@ from pathlib import Path
 from dspark.kernels.spec import TRITON_PTR, KernelSpec
 
 ARCHS = (80, 90)
-# kernel -> (template, argument types in order, warps); pointers of the model's dtype: "*T"
+# The kernel registry. name -> (template, kernel, argument types in order, constexpr values,
+# warps); pointers of the model's dtype are "*T". Each name is one cubin per arch, and what
+# KernelLibrary.launch takes.
+_VERIFY_ARGS = [
+    ("Q", "*T"), ("K", "*T"), ("V", "*T"), ("O", "*T"), ("PartO", "*fp32"),
+    ("PartLse", "*fp32"), ("BlockTables", "*i32"), ("SeqStart", "*i32"), ("SeqNew", "*i32"),
+    ("SeqQOff", "*i32"), ("scale", "fp32"), ("stride_bt", "i32"), ("num_splits", "i32"),
+    ("blocks_per_split", "i32"), ("UPCAST", "constexpr"), ("SPLIT", "constexpr")]
 KERNELS = {
-    "_verify_attention_kernel": ("verify_attention", [
-        ("Q", "*T"), ("K", "*T"), ("V", "*T"), ("O", "*T"), ("BlockTables", "*i32"),
-        ("SeqStart", "*i32"), ("SeqNew", "*i32"), ("SeqQOff", "*i32"), ("scale", "fp32"),
-        ("stride_bt", "i32"), ("UPCAST", "constexpr")], 4),
-    "_kv_inject_kernel": ("kv_cache", [
+    "verify_attention": ("verify_attention", "_verify_attention_kernel", _VERIFY_ARGS,
+                         {"UPCAST": False, "SPLIT": False}, 4),
+    "verify_attention_split": ("verify_attention", "_verify_attention_kernel", _VERIFY_ARGS,
+                               {"UPCAST": False, "SPLIT": True}, 4),
+    "verify_reduce": ("verify_attention", "_verify_reduce_kernel", [
+        ("PartO", "*fp32"), ("PartLse", "*fp32"), ("O", "*T"), ("num_splits", "i32")], {}, 1),
+    "kv_inject": ("kv_cache", "_kv_inject_kernel", [
         ("KNew", "*T"), ("VNew", "*T"), ("K", "*T"), ("V", "*T"), ("TokBlock", "*i32"),
-        ("TokOffset", "*i32")], 1),
-    "_kv_zero_kernel": ("kv_cache", [
-        ("K", "*T"), ("V", "*T"), ("SlotBlock", "*i32"), ("SlotOffset", "*i32")], 1),
+        ("TokOffset", "*i32")], {}, 1),
+    "kv_zero": ("kv_cache", "_kv_zero_kernel", [
+        ("K", "*T"), ("V", "*T"), ("SlotBlock", "*i32"), ("SlotOffset", "*i32")], {}, 1),
 }
 
 
@@ -49,10 +58,10 @@ def _compile(spec: KernelSpec, out: Path, archs: tuple[int, ...], src: Path) -> 
         folder = out / f"sm_{arch}"
         folder.mkdir(parents=True, exist_ok=True)
         entries = index["archs"][f"sm_{arch}"] = {}
-        for name, (template, args, warps) in KERNELS.items():
-            fn = getattr(load(template, spec, str(src)), name)
+        for name, (template, kernel, args, values, warps) in KERNELS.items():
+            fn = getattr(load(template, spec, str(src)), kernel)
             signature = {a: TRITON_PTR[spec.dtype] if t == "*T" else t for a, t in args}
-            constexprs = {(i,): False for i, (_, t) in enumerate(args) if t == "constexpr"}
+            constexprs = {(i,): values[a] for i, (a, t) in enumerate(args) if t == "constexpr"}
             compiled = triton.compile(ASTSource(fn=fn, signature=signature,
                                                 constexprs=constexprs),
                                       target=GPUTarget("cuda", arch, 32),
@@ -61,7 +70,8 @@ def _compile(spec: KernelSpec, out: Path, archs: tuple[int, ...], src: Path) -> 
             (folder / f"{name}.cubin").write_bytes(cubin)
             meta = json.dumps(compiled.metadata._asdict(), default=vars, sort_keys=True)
             (folder / f"{name}.json").write_text(meta)
-            entries[name] = {"cubin": f"sm_{arch}/{name}.cubin",
+            entries[name] = {"kernel": kernel, "constexprs": values,
+                             "cubin": f"sm_{arch}/{name}.cubin",
                              "metadata": f"sm_{arch}/{name}.json", "bytes": len(cubin),
                              "sha256": hashlib.sha256(cubin).hexdigest(), "num_warps": warps,
                              "shared": compiled.metadata.shared}

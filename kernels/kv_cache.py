@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.kernels.render import load
-from dspark.kernels.spec import KernelSpec
+from dspark.kernels.library import KernelLibrary
 
 
 def kv_inject_reference(k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor,
@@ -23,16 +22,15 @@ def kv_zero_reference(k_pool: torch.Tensor, v_pool: torch.Tensor, block: torch.T
 
 
 def kv_inject(k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor,
-              v_pool: torch.Tensor, block: torch.Tensor, offset: torch.Tensor, spec: KernelSpec,
-              cache_dir: str, interpret: bool = False) -> None:
-    kernel = load("kv_cache", spec, cache_dir, interpret)._kv_inject_kernel
-    kernel[(len(block), spec.num_kv_heads)](k_new, v_new, k_pool, v_pool, block, offset,
-                                            num_warps=1)
+              v_pool: torch.Tensor, block: torch.Tensor, offset: torch.Tensor,
+              library: KernelLibrary) -> None:
+    if len(block):
+        library.launch("kv_inject", (len(block), library.spec.num_kv_heads), k_new, v_new,
+                       k_pool, v_pool, block, offset)
 
 
 def kv_zero(k_pool: torch.Tensor, v_pool: torch.Tensor, block: torch.Tensor,
-            offset: torch.Tensor, spec: KernelSpec, cache_dir: str,
-            interpret: bool = False) -> None:
+            offset: torch.Tensor, library: KernelLibrary) -> None:
     if len(block):
-        kernel = load("kv_cache", spec, cache_dir, interpret)._kv_zero_kernel
-        kernel[(len(block), spec.num_kv_heads)](k_pool, v_pool, block, offset, num_warps=1)
+        library.launch("kv_zero", (len(block), library.spec.num_kv_heads), k_pool, v_pool,
+                       block, offset)

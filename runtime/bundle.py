@@ -5,6 +5,8 @@
     main/  draft/        model.onnx (whole rewritten graph), segment_NNN.onnx, weights.bin
     dflash_config.json   scheduler parameters (mutable: validated by schema, not by hash)
     memory_plan.json     the unified KV arena plan
+    kernels/             index.json; per kernel spec the rendered Triton sources and, per
+                         arch (sm_80, sm_90), each kernel's cubin with Triton's metadata
     tokenizer/           tokenizer.json, tokenizer_config.json
 The compiler writes through `dump_json` and `file_entry` so reader and writer agree.
 """
@@ -16,6 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark.kernels.spec import KernelSpec
 from dspark.runtime.config import CONFIG_FILE, DFlashConfig, load_config
 from dspark.runtime.errors import BundleError
 from dspark.runtime.memory_plan import MemoryPlan
@@ -26,6 +29,7 @@ from dspark.runtime.version import BUNDLE_FORMAT_VERSION
 MANIFEST_FILE = "manifest.json"
 MEMORY_PLAN_FILE = "memory_plan.json"
 TOKENIZER_DIR = "tokenizer"
+KERNELS_INDEX = "kernels/index.json"
 MUTABLE_FILES = frozenset({CONFIG_FILE})
 
 
@@ -75,6 +79,20 @@ class Bundle:
         files = self.manifest["files"]
         return {r: files.get(s.weights_file, {}).get("size", 0)
                 for r, s in self.models.items() if r.startswith("draft")}
+
+    @property
+    def kernels(self) -> dict:
+        """kernels/index.json: the kernel specs, their sources and cubins per arch."""
+        try:
+            return json.loads((self.root / KERNELS_INDEX).read_text())
+        except (OSError, ValueError) as e:
+            raise BundleError(f"{self.root / KERNELS_INDEX}: unreadable ({e})") from None
+
+    def kernel_spec(self, role: str) -> KernelSpec:
+        for entry in self.kernels["specs"].values():
+            if role in entry["roles"]:
+                return KernelSpec(**entry["spec"])
+        raise BundleError(f"{self.root / KERNELS_INDEX}: no kernel spec for {role!r}")
 
     @property
     def tokenizer_dir(self) -> Path | None:

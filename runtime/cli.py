@@ -10,12 +10,16 @@ from pathlib import Path
 import click
 
 from dspark.runtime.cli_util import run_cli
+from dspark.runtime.device import DEVICES
 from dspark.runtime.errors import DSparkError
 from dspark.runtime.request import GenerationRequest, Sequence
 from dspark.runtime.sampling import SamplingParams
 from dspark.runtime.version import __version__
 
 PathArg = click.Path(path_type=Path)
+device_option = click.option(
+    "--device", type=click.Choice(DEVICES), default="auto", show_default=True,
+    help="cuda when a GPU and onnxruntime-gpu are present, else cpu; force either")
 
 
 def serve_options(fn):
@@ -32,6 +36,7 @@ def serve_options(fn):
         click.option("--policy", help="window policy (default: the config's)"),
         click.option("--served-model-name", "name", help="model id in the API (default: "
                      "the bundle's name)"),
+        device_option,
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -39,12 +44,12 @@ def serve_options(fn):
 
 
 def _serve(model: Path, host, port, api_key, max_batch, max_queue, no_warmup, config_path,
-           policy, name) -> None:
+           policy, name, device) -> None:
     from dspark.runtime.server.run import serve
 
     click.echo(f"[dsrun] serving {model} on http://{host}:{port}/v1", err=True)
     serve(model, host, port, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
-          warmup=not no_warmup, config=config_path, policy=policy, name=name)
+          warmup=not no_warmup, config=config_path, policy=policy, name=name, device=device)
 
 
 @click.group(invoke_without_command=True,
@@ -112,14 +117,16 @@ def result_dict(seq: Sequence, tokenizer, elapsed: float) -> dict:
 @click.option("--config", "config_path", type=PathArg, help="dflash_config.json to use")
 @click.option("--tenant", default="default", show_default=True)
 @click.option("--no-speculative", is_flag=True, help="plain decoding with the main model")
+@device_option
 @click.option("--json", "as_json", is_flag=True)
 def generate(model: Path, prompt, prompt_ids, chat, max_tokens: int, temperature: float,
              top_p: float, top_k: int, seed, stop, window, policy, config_path, tenant: str,
-             no_speculative: bool, as_json: bool) -> None:
+             no_speculative: bool, device: str, as_json: bool) -> None:
     """Generate one completion from a bundle."""
     from dspark.runtime.loader import load_engine
 
-    engine, tokenizer = load_engine(model, window, policy=policy, config=config_path)
+    engine, tokenizer = load_engine(model, window, policy=policy, config=config_path,
+                                    device=device)
     ids = _prompt_ids(tokenizer, prompt, prompt_ids, chat)
     request = GenerationRequest(tuple(ids), max_tokens, SamplingParams(temperature, top_p, top_k,
                                                                        seed),
@@ -149,8 +156,9 @@ def generate(model: Path, prompt, prompt_ids, chat, max_tokens: int, temperature
 @click.option("--config", "config_path", type=PathArg, help="dflash_config.json to use")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--plot", type=PathArg, help="write acceptance and tokens/s per prompt (PNG)")
+@device_option
 def bench(model: Path, prompts, max_tokens: int, repeats: int, window, policy, policies,
-          config_path, as_json: bool, plot) -> None:
+          config_path, as_json: bool, plot, device: str) -> None:
     """Speculative vs plain decoding on the same prompts, interleaved, in one process."""
     from dspark.runtime.bench import (
         format_report,
@@ -163,7 +171,8 @@ def bench(model: Path, prompts, max_tokens: int, repeats: int, window, policy, p
     )
     from dspark.runtime.loader import load_engine
 
-    engine, tokenizer = load_engine(model, window, policy=policy, config=config_path)
+    engine, tokenizer = load_engine(model, window, policy=policy, config=config_path,
+                                    device=device)
     if policies:
         report = run_sweep(engine, tokenizer, load_prompts(prompts), max_tokens, repeats,
                            parse_modes(policies))

@@ -18,6 +18,7 @@ import numpy as np
 from dspark.runtime.acceptance import Acceptance, accept_greedy, accept_sampled
 from dspark.runtime.bundle import Bundle
 from dspark.runtime.config import DFlashConfig
+from dspark.runtime.device import resolve_device
 from dspark.runtime.dflash.che import CacheHealth
 from dspark.runtime.dflash.costs import CostModel
 from dspark.runtime.dflash.goodput import select_slots
@@ -40,15 +41,22 @@ class Engine:
                  max_batch: int = 16, eos_ids: tuple[int, ...] = (),
                  decode: Callable[[list[int]], str] | None = None,
                  prefill_tokens: int | None = None,
-                 config: DFlashConfig | None = None):
+                 config: DFlashConfig | None = None, device: str = "auto",
+                 kernels: bool = False):
+        """device: auto, cpu or cuda (runtime/device.py). kernels: on the CPU, run the DSpark
+        Triton kernels under Triton's interpreter instead of the numpy attention (tests)."""
         self.bundle = bundle
         self.plan = bundle.plan
         self.config: DFlashConfig = config or bundle.config
         self.costs = CostModel()
-        self.arena = KVArena(self.plan)
-        self.main = ModelRunner(bundle, "main", self.arena, self.costs)
-        self.drafts = {r: ModelRunner(bundle, r, self.arena, self.costs) for r in bundle.drafts}
-        self.resources = ResourceManager(self.config.resources, probe_device(), bundle.drafts)
+        self.device = resolve_device(device)
+        self.arena = KVArena(self.plan, device=self.device)
+        self.arena.zero_rejected = self.config.cache_health.zero_rejected_slots
+        self.main = ModelRunner(bundle, "main", self.arena, self.costs, kernels=kernels)
+        self.drafts = {r: ModelRunner(bundle, r, self.arena, self.costs, kernels=kernels)
+                       for r in bundle.drafts}
+        self.resources = ResourceManager(self.config.resources, probe_device(self.device),
+                                         bundle.drafts)
         self.draft = self.drafts[self.resources.draft]
         self.vocab_size = bundle.model("main").vocab_size
         self.token_map = bundle.token_map  # the default draft's ids -> main ids, if they differ
@@ -77,6 +85,7 @@ class Engine:
         self.scheduler.config = config
         self.balancer.config = config.verify_balance
         self.health.config = config.cache_health
+        self.arena.zero_rejected = config.cache_health.zero_rejected_slots
         self.resources.config = config.resources
         for policy in self.policies.values():
             if hasattr(policy, "config"):

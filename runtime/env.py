@@ -6,6 +6,7 @@ Every other module receives these values as arguments; nothing else calls os.env
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 
 from dspark.runtime.errors import DSparkError
@@ -38,3 +39,10 @@ def read_env() -> RuntimeEnv:
     debug = os.environ.get("DSPARK_DEBUG", "") not in ("", "0")
     return RuntimeEnv(threads=threads, cache_dir=cache_dir, debug=debug,
                       api_key=os.environ.get("DSPARK_API_KEY") or None)
+
+
+def kernel_cache_dir() -> str:
+    """Where rendered kernel sources are written for Triton to import (content-named files,
+    safe to share between processes): DSPARK_KERNEL_CACHE, else a per-user temp folder."""
+    default = os.path.join(tempfile.gettempdir(), f"dspark-kernels-{os.getuid()}")
+    return os.environ.get("DSPARK_KERNEL_CACHE", default)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,16 +66,22 @@ class Pool:
 
 
 class KVArena:
-    def __init__(self, plan: MemoryPlan, delta_log: bool = True):
+    def __init__(self, plan: MemoryPlan, delta_log: bool = True,
+                 device: torch.device | None = None):
         self.plan = plan
         self.block_size = plan.block_size
-        self.buffer = torch.zeros(plan.total_bytes, dtype=torch.uint8)
+        self.device = device or torch.device("cpu")
+        self.buffer = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=self.device)
         self.pools = {p.role: Pool(self.buffer, p, plan) for p in plan.pools}
         self.generation = 0  # bumped when the buffer is reallocated
         self.free: list[int] = list(range(plan.num_blocks))  # a heap: lowest ids first
         self.owner: dict[int, int] = {}  # block -> sequence
         self.tables: dict[int, BlockTable] = {}
         self.delta_log = delta_log
+        # rollback clears the rejected slots when set (CacheHealthConfig.zero_rejected_slots);
+        # a pool's attention backend may register a faster way to clear them (a kernel)
+        self.zero_rejected = False
+        self.zeroers: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {}
 
     @property
     def free_blocks(self) -> int:
@@ -88,7 +95,7 @@ class KVArena:
         """Adopt a plan with at least as many blocks: a new buffer, every block copied to the
         same index, block tables unchanged. Only between forwards."""
         old_pools, old_blocks = self.pools, self.plan.num_blocks
-        buffer = torch.zeros(plan.total_bytes, dtype=torch.uint8)
+        buffer = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=self.device)
         pools = {p.role: Pool(buffer, p, plan) for p in plan.pools}
         for role, pool in pools.items():
             for new, old in zip(pool.k + pool.v, old_pools[role].k + old_pools[role].v):
@@ -154,7 +161,25 @@ class KVArena:
     def rollback(self, seq_id: int, role: str, length: int) -> None:
         """Keep the first `length` positions of `role`: O(1), a length and a log entry."""
         table = self.tables[seq_id]
-        table.lengths[role] = min(length, table.length(role))
+        old = table.length(role)
+        table.lengths[role] = min(length, old)
+        if self.zero_rejected and length < old:
+            self.zero_slots(seq_id, role, length, old)
         if self.delta_log and table.log and table.log[-1].role == role:
             last = table.log[-1]
             table.log[-1] = Delta(role, last.start, last.written, max(0, length - last.start))
+
+    def zero_slots(self, seq_id: int, role: str, start: int, end: int) -> None:
+        """Clear positions [start, end) of `role` in every layer."""
+        positions = torch.arange(start, end)
+        table = torch.tensor(self.tables[seq_id].blocks, dtype=torch.int32)
+        blocks = table[positions // self.block_size]
+        offsets = (positions % self.block_size).to(torch.int32)
+        zeroer = self.zeroers.get(role)
+        if zeroer is not None:
+            zeroer(blocks, offsets)
+            return
+        pool = self.pools[role]
+        for k, v in zip(pool.k, pool.v):
+            k[blocks.long(), :, offsets.long()] = 0
+            v[blocks.long(), :, offsets.long()] = 0

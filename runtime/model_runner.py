@@ -6,22 +6,44 @@ import time
 
 import numpy as np
 
+from dspark.kernels.library import KernelLibrary, for_device
 from dspark.runtime.batch import FlatBatch, SeqChunk
 from dspark.runtime.bundle import Bundle
 from dspark.runtime.dflash.costs import CostModel
+from dspark.runtime.env import kernel_cache_dir
 from dspark.runtime.executor import SegmentedModel
+from dspark.runtime.kernel_attention import KernelAttention
 from dspark.runtime.kv_arena import KVArena
 from dspark.runtime.paged_attention import PagedAttention
 
 
+def kernel_library(bundle: Bundle, role: str, arena: KVArena) -> KernelLibrary:
+    """The DSpark kernels for `role`'s constants on the arena's device: the bundle's cubins
+    when they match this GPU, else JIT (see kernels/library.py; it logs which)."""
+    return for_device(bundle.kernel_spec(role), kernel_cache_dir(), arena.device,
+                      bundle.kernels, bundle.root)
+
+
 class ModelRunner:
     def __init__(self, bundle: Bundle, role: str, arena: KVArena, costs: CostModel | None = None,
-                 pool: str | None = None):
+                 pool: str | None = None, kernels: bool = False):
+        """The arena's device decides the executor: onnxruntime on the CPU with the numpy
+        attention, or the CUDA executor with the DSpark kernels. `kernels` on the CPU runs
+        those kernels under Triton's interpreter instead of the numpy attention (tests)."""
         self.role = role
         self.pool = pool or role
         self.arena = arena
         self.costs = costs
-        self.model = SegmentedModel(bundle, role, PagedAttention(arena, self.pool))
+        if arena.device.type == "cuda":
+            from dspark.runtime.cuda_executor import CudaSegmentedModel
+
+            attention = KernelAttention(arena, self.pool, kernel_library(bundle, role, arena))
+            self.model = CudaSegmentedModel(bundle, role, attention, arena.device)
+        elif kernels:
+            attention = KernelAttention(arena, self.pool, kernel_library(bundle, role, arena))
+            self.model = SegmentedModel(bundle, role, attention)
+        else:
+            self.model = SegmentedModel(bundle, role, PagedAttention(arena, self.pool))
         self.busy_s = 0.0
         self.forwards = 0
         self.tokens = 0

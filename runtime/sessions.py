@@ -42,9 +42,10 @@ def init_threads() -> bool:
 
 
 def make_session(path: str | Path | bytes, level: str = "all", optimized_path: Path | None = None,
-                 config: dict[str, str] | None = None) -> ort.InferenceSession:
-    """A CPU session on the shared pool (`level`: none, basic or all graph optimization);
-    `path` may also be a serialized model."""
+                 config: dict[str, str] | None = None, providers: list | None = None
+                 ) -> ort.InferenceSession:
+    """A session on the shared pool (`level`: none, basic or all graph optimization);
+    `path` may also be a serialized model. `providers` default to the CPU's."""
     shared = init_threads()
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -59,4 +60,4 @@ def make_session(path: str | Path | bytes, level: str = "all", optimized_path: P
     for key, value in (config or {}).items():
         so.add_session_config_entry(key, value)
     model = path if isinstance(path, bytes) else str(path)
-    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model, so, providers=providers or ["CPUExecutionProvider"])

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import os
 import sys
-
-# The DSpark Triton kernels run on CPU tensors under Triton's interpreter in tests; Triton
-# reads this when it is first imported (its own library functions are decorated then).
-os.environ.setdefault("TRITON_INTERPRET", "1")
 from pathlib import Path
 
 import pytest
+import torch
 
-from dspark.runtime.sessions import init_threads
+# Without a GPU the DSpark Triton kernels run on CPU tensors under Triton's interpreter, which
+# must be chosen before Triton is first imported (its own library functions are decorated
+# then). With one, the same kernel tests run compiled on the GPU.
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dspark.runtime.sessions import init_threads  # noqa: E402
 
 init_threads()  # the shared onnxruntime pool must exist before the first session
 
@@ -90,3 +94,17 @@ def tok_bundle(fixture_pairs, tmp_path_factory) -> Path:
     compile_bundle(CompileOptions(main, draft, out, tokenizer=root / "tok", max_seq_len=64),
                    Progress(quiet=True))
     return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests skip cleanly, with the reason, where there is no CUDA device."""
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords and not CUDA:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def kernel_device() -> torch.device:
+    """Where the kernel tests run: the GPU when there is one, else the CPU (interpreter)."""
+    return torch.device("cuda") if CUDA else torch.device("cpu")

@@ -13,6 +13,7 @@ from dspark.compiler.progress import Progress
 from dspark.compiler.verify import verify_model
 from dspark.runtime.bundle import open_bundle
 from dspark.runtime.spec import VERIFY_DOMAIN, VERIFY_OP
+from dspark.runtime.version import BUNDLE_FORMAT_VERSION
 
 from cli_helpers import run_dsc
 
@@ -149,7 +150,8 @@ def test_dsc_compile_and_inspect_cli(capsys, fixture_pairs, tmp_path):
     for stage in ("optimize main", "verify-nodes main", "optimize draft", "layout", "kernels"):
         assert f"[dsc] {stage} done" in r.err
     manifest = json.loads(r.out)
-    assert manifest["format_version"] == 1 and set(manifest["timings_s"]) >= {"layout"}
+    assert manifest["format_version"] == BUNDLE_FORMAT_VERSION
+    assert set(manifest["timings_s"]) >= {"layout"}
     r = run_dsc(capsys, "inspect", out)
     assert r.code == 0 and "main  3 layers, 4 heads / 2 kv heads x 16" in r.out
     assert "memory plan: [block][kv_head][block_size][head_dim]" in r.out

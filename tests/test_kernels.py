@@ -1,6 +1,6 @@
-"""DSpark Triton kernels against their torch references, under TRITON_INTERPRET=1 on the CPU
-(small shapes: the interpreter costs about a millisecond per program). GPU runs are marked.
-"""
+"""DSpark Triton kernels against their torch references: under Triton's interpreter on the
+CPU (small shapes: it costs about a millisecond per program), compiled on the GPU when the
+machine has one (the same tests, `kernel_device`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dspark.kernels.kv_cache import kv_inject, kv_inject_reference, kv_zero, kv_zero_reference
+from dspark.kernels.library import KernelLibrary
 from dspark.kernels.render import TEMPLATES, render
 from dspark.kernels.spec import KernelSpec
 from dspark.kernels.verify_attention import verify_attention, verify_attention_reference
@@ -31,10 +32,13 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
                              f"tolerance {tol}); first:\n" + "\n".join(rows))
 
 
-def _batch(rng, spec: KernelSpec, window: int, num_blocks: int = 24):
-    """Three sequences: odd cached lengths, partially filled last blocks, interleaved blocks."""
+def _batch(rng, spec: KernelSpec, window: int, num_blocks: int = 48, long: bool = False):
+    """Three sequences: odd cached lengths, partially filled last blocks, interleaved blocks
+    (`long`: one of them long enough for its blocks to be split over programs)."""
     bs = spec.block_size
     starts = [int(rng.integers(0, 2 * bs)) for _ in range(3)]
+    if long:
+        starts[1] += 9 * bs
     news = [window, max(1, window - 1), window]
     need = [-(-(s + n) // bs) for s, n in zip(starts, news)]
     perm = rng.permutation(num_blocks)[: sum(need)]
@@ -48,40 +52,47 @@ def _batch(rng, spec: KernelSpec, window: int, num_blocks: int = 24):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("window", [1, 8, 21])
+@pytest.mark.parametrize(("window", "splits"), [(1, 1), (8, 1), (21, 1), (1, 3), (8, 3)])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"d{g[0]}h{g[1]}kv{g[2]}")
-def test_verify_attention_matches_reference(geometry, window, dtype, tmp_path):
+def test_verify_attention_matches_reference(geometry, window, splits, dtype, kernel_device,
+                                           tmp_path):
+    """splits 3: one sequence's blocks are split over programs (flash-decoding) and the
+    partial results combined by the reduce kernel."""
     head_dim, heads, kv_heads = geometry
     block = 32 if head_dim == 20 else 16
     spec = KernelSpec(head_dim, heads, kv_heads, block, dtype, q_tile=8)
     rng = np.random.default_rng(hash((geometry, window, dtype)) % 2**32)
-    tables, start, new, qoff, tokens = _batch(rng, spec, window)
+    tables, start, new, qoff, tokens = _batch(rng, spec, window, long=splits > 1)
     t = DTYPES[dtype]
-    k = torch.randn(24, kv_heads, block, head_dim).to(t)
-    v = torch.randn(24, kv_heads, block, head_dim).to(t)
-    q = torch.randn(tokens, heads, head_dim).to(t)
+    dev = kernel_device
+    k = torch.randn(48, kv_heads, block, head_dim).to(dev, t)
+    v = torch.randn(48, kv_heads, block, head_dim).to(dev, t)
+    q = torch.randn(tokens, heads, head_dim).to(dev, t)
+    tables, start, new, qoff = (x.to(dev) for x in (tables, start, new, qoff))
     scale = head_dim ** -0.5
-    got = verify_attention(q, k, v, tables, start, new, qoff, scale, spec, str(tmp_path),
-                           interpret=True)
+    library = KernelLibrary(spec, str(tmp_path), interpret=dev.type == "cpu")
+    got = verify_attention(q, k, v, tables, start, new, qoff, scale, library, splits=splits)
     want = verify_attention_reference(q, k, v, tables, start, new, qoff, scale)
     assert_close(got, want, TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("head_dim", [16, 24, 64])
-def test_kv_inject_and_zero_match_reference(head_dim, dtype, tmp_path):
+def test_kv_inject_and_zero_match_reference(head_dim, dtype, kernel_device, tmp_path):
     spec = KernelSpec(head_dim, 6, 3, 16, dtype)
-    t = DTYPES[dtype]
-    k_pool, v_pool = torch.randn(10, 3, 16, head_dim).to(t), torch.randn(10, 3, 16, head_dim).to(t)
+    t, dev = DTYPES[dtype], kernel_device
+    k_pool = torch.randn(10, 3, 16, head_dim).to(dev, t)
+    v_pool = torch.randn(10, 3, 16, head_dim).to(dev, t)
     pools = [k_pool, v_pool, k_pool.clone(), v_pool.clone()]
-    k_new, v_new = torch.randn(7, 3, head_dim).to(t), torch.randn(7, 3, head_dim).to(t)
-    block = torch.tensor([3, 3, 8, 0, 9, 9, 2], dtype=torch.int32)
-    offset = torch.tensor([0, 1, 15, 7, 4, 5, 11], dtype=torch.int32)
-    kv_inject(k_new, v_new, pools[0], pools[1], block, offset, spec, str(tmp_path),
-              interpret=True)
+    k_new = torch.randn(7, 3, head_dim).to(dev, t)
+    v_new = torch.randn(7, 3, head_dim).to(dev, t)
+    block = torch.tensor([3, 3, 8, 0, 9, 9, 2], dtype=torch.int32, device=dev)
+    offset = torch.tensor([0, 1, 15, 7, 4, 5, 11], dtype=torch.int32, device=dev)
+    library = KernelLibrary(spec, str(tmp_path), interpret=dev.type == "cpu")
+    kv_inject(k_new, v_new, pools[0], pools[1], block, offset, library)
     kv_inject_reference(k_new, v_new, pools[2], pools[3], block, offset)
     assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
-    kv_zero(pools[0], pools[1], block[:3], offset[:3], spec, str(tmp_path), interpret=True)
+    kv_zero(pools[0], pools[1], block[:3], offset[:3], library)
     kv_zero_reference(pools[2], pools[3], block[:3], offset[:3])
     assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
     assert not pools[0][3, :, 0].any() and pools[0][3, :, 2].any()
@@ -108,3 +119,57 @@ def test_templates_render_for_every_fixture_model(compiled):
                 text = render(template, ks)
                 compile(text, template, "exec")  # valid Python
                 assert f"HEAD_DIM = tl.constexpr({ks.head_dim})" in text
+
+
+def test_gpu_benchmark_cases_are_correct_on_the_cpu(tmp_path):
+    """samples/bench_kernels.py's set-up (paged arena, slots, SDPA baseline) at a tiny size
+    under the interpreter: the kernel it times matches the baseline it is compared with."""
+    import bench_kernels
+
+    built = bench_kernels.build_case(
+        (16, 4, 2), 2, 37, 3, 16, torch.device("cpu"),
+        lambda spec: KernelLibrary(spec, str(tmp_path), interpret=True))
+    assert built["max_abs_err"] < 3e-3
+    assert built["bytes"] == 2 * 2 * 2 * 40 * 16 * 2 + 2 * 6 * 4 * 16 * 2
+
+
+def test_bundle_carries_cubins_per_arch(compiled):
+    from dspark.kernels.aot import KERNELS
+    from dspark.runtime.bundle import open_bundle, sha256_file
+
+    bundle = open_bundle(compiled[("llama", "classic")])
+    index = bundle.kernels
+    assert index["mode"] == "aot" and index["archs"] == ["sm_80", "sm_90"]
+    assert bundle.manifest["kernels"]["archs"] == ["sm_80", "sm_90"]
+    [entry] = index["specs"].values()  # main and draft share one geometry
+    assert sorted(entry["roles"]) == ["draft", "main"]
+    for arch in ("sm_80", "sm_90"):
+        assert set(entry["cubins"][arch]) == set(KERNELS)
+        for built in entry["cubins"][arch].values():
+            cubin = bundle.root / "kernels" / bundle.kernel_spec("main").tag / built["cubin"]
+            assert cubin.read_bytes()[:4] == b"\x7fELF" and sha256_file(cubin) == built["sha256"]
+    for source in entry["sources"]:
+        compile((bundle.root / source).read_text(), source, "exec")
+
+
+def test_toolchain_failure_leaves_a_jit_only_bundle(fixture_pairs, tmp_path, capsys,
+                                                    monkeypatch):
+    """A real Triton failure (an arch it cannot target), then --no-aot: the bundle still
+    compiles, says JIT-only and why, and dsc inspect shows it."""
+    from dspark.compiler import kernel_stage
+    from dspark.runtime.bundle import open_bundle
+
+    from cli_helpers import run_dsc
+
+    main, draft = fixture_pairs[("gpt2", "classic")]
+    monkeypatch.setattr(kernel_stage, "ARCHS", (20,))
+    r = run_dsc(capsys, "compile", str(main), str(draft), "-o", str(tmp_path / "a.dsmodel"))
+    assert r.code == 0 and "kernels: JIT-only bundle (Triton cannot compile" in r.err
+    kernels = open_bundle(tmp_path / "a.dsmodel").manifest["kernels"]
+    assert kernels["mode"] == "jit-only" and kernels["archs"] == []
+    assert "Triton cannot compile for CUDA here" in kernels["reason"]
+    r = run_dsc(capsys, "compile", str(main), str(draft), "-o", str(tmp_path / "b.dsmodel"),
+                "--no-aot")
+    assert r.code == 0
+    r = run_dsc(capsys, "inspect", str(tmp_path / "b.dsmodel"))
+    assert "kernels: jit-only (--no-aot)" in r.out

@@ -47,11 +47,14 @@ def _ram_gb() -> float:
         return 0.0
 
 
-def probe_device() -> Device:
+def probe_device(device=None) -> Device:
+    """What `device` (a torch.device; default: the first GPU if any, else the CPU) is."""
     import torch
 
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", 0)
+    if device is not None and device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
         return Device("cuda", props.name, props.total_memory / 2**30,
                       props.multi_processor_count)
     return Device("cpu", _cpu_name(), _ram_gb(), os.cpu_count() or 1)

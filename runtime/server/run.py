@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from dspark.runtime.dflash.ras import probe_device
 from dspark.runtime.env import read_env
 from dspark.runtime.loader import load_engine
 from dspark.runtime.server.app import ServerState, create_app
@@ -20,11 +19,11 @@ def model_id(bundle: Path) -> str:
 
 def build_app(model: Path, api_key: str | None = None, max_batch: int = 16,
               max_queue: int = 256, warmup: bool = True, config: Path | None = None,
-              policy: str | None = None, name: str | None = None):
+              policy: str | None = None, name: str | None = None, device: str = "auto"):
     engine, tokenizer = load_engine(model, max_batch=max_batch, policy=policy, config=config,
-                                    warmup=False)
+                                    warmup=False, device=device)
     served = name or model_id(model)
-    metrics = Metrics(served, probe_device().name)
+    metrics = Metrics(served, engine.resources.device.name)
     service = EngineService(engine, max_queue, on_step=metrics.on_step,
                             on_cancel=metrics.forget)
     state = ServerState(service, tokenizer, served, metrics,

@@ -1,0 +1,40 @@
+"""Which device the runtime runs on: `--device auto|cpu|cuda`.
+
+auto picks CUDA when torch sees a GPU and onnxruntime has its CUDA execution provider
+(the `gpu` extra, onnxruntime-gpu), else the CPU. Asking for cuda where either is missing is
+a usage error that says which part is missing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.runtime.errors import DSparkError
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def cuda_problem() -> str | None:
+    """Why CUDA cannot be used here, or None when it can."""
+    if not torch.cuda.is_available():
+        build = torch.version.cuda or "none (a CPU build)"
+        return f"torch {torch.__version__} sees no CUDA device (its CUDA: {build})"
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return ("onnxruntime has no CUDAExecutionProvider (install the gpu extra: "
+                "pip install 'dspark[gpu]', which brings onnxruntime-gpu)")
+    return None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name not in DEVICES:
+        raise DSparkError(f"--device must be one of {', '.join(DEVICES)}, got {name!r}")
+    if name == "cpu":
+        return torch.device("cpu")
+    problem = cuda_problem()
+    if problem is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if name == "cuda":
+        raise DSparkError(f"--device cuda: {problem}")
+    return torch.device("cpu")
