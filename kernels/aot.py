@@ -42,6 +42,23 @@ KERNELS = {
 }
 
 
+# Pointers are declared 16-byte aligned, as Triton's JIT would find them, so that loads
+# vectorise; the runtime only launches a cubin on aligned tensors (KernelLibrary.launch).
+ALIGN = 16
+
+
+def ast_source(fn, spec: KernelSpec, args: list[tuple[str, str]], values: dict):
+    """What triton.compile needs for one registered kernel; the runtime rebuilds the same to
+    get Triton's launcher for a loaded cubin."""
+    from triton.compiler import ASTSource
+
+    signature = {a: TRITON_PTR[spec.dtype] if t == "*T" else t for a, t in args}
+    constexprs = {(i,): values[a] for i, (a, t) in enumerate(args) if t == "constexpr"}
+    attrs = {(i,): [["tt.divisibility", ALIGN]] for i, (_, t) in enumerate(args)
+             if t.startswith("*")}
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
 class ToolchainError(RuntimeError):
     """Triton could not compile for CUDA here (no backend, no ptxas...)."""
 
@@ -49,7 +66,6 @@ class ToolchainError(RuntimeError):
 def _compile(spec: KernelSpec, out: Path, archs: tuple[int, ...], src: Path) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from dspark.kernels.render import load
 
@@ -60,10 +76,7 @@ def _compile(spec: KernelSpec, out: Path, archs: tuple[int, ...], src: Path) -> 
         entries = index["archs"][f"sm_{arch}"] = {}
         for name, (template, kernel, args, values, warps) in KERNELS.items():
             fn = getattr(load(template, spec, str(src)), kernel)
-            signature = {a: TRITON_PTR[spec.dtype] if t == "*T" else t for a, t in args}
-            constexprs = {(i,): values[a] for i, (a, t) in enumerate(args) if t == "constexpr"}
-            compiled = triton.compile(ASTSource(fn=fn, signature=signature,
-                                                constexprs=constexprs),
+            compiled = triton.compile(ast_source(fn, spec, args, values),
                                       target=GPUTarget("cuda", arch, 32),
                                       options={"num_warps": warps})
             cubin = compiled.asm["cubin"]

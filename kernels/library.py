@@ -4,7 +4,8 @@
     jit          Triton compiles the rendered source on first launch (cached by Triton)
     interpreter  Triton's CPU interpreter over CPU tensors (tests)
 Every kernel is launched the same way, `library.launch(name, grid, *args)`, with all
-arguments positional, constexprs included, in the order of aot.KERNELS.
+arguments positional, constexprs included, in the order of aot.KERNELS. A cubin assumes
+16-byte aligned tensors; a launch with an unaligned one goes to JIT instead.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import hashlib
 import logging
 from pathlib import Path
 
-from dspark.kernels.aot import KERNELS
+import torch
+
+from dspark.kernels.aot import ALIGN, KERNELS, ast_source
 from dspark.kernels.render import load
-from dspark.kernels.spec import TRITON_PTR, KernelSpec
+from dspark.kernels.spec import KernelSpec
 
 log = logging.getLogger("dspark.kernels")
 
@@ -33,7 +36,8 @@ class KernelLibrary:
 
     def launch(self, name: str, grid: tuple[int, ...], *args) -> None:
         compiled = self._compiled.get(name)
-        if compiled is not None:
+        if compiled is not None and all(a.data_ptr() % ALIGN == 0 for a in args
+                                        if isinstance(a, torch.Tensor)):
             compiled[grid](*args)
             return
         if name not in KERNELS:
@@ -46,13 +50,10 @@ class KernelLibrary:
 def _load_cubin(spec: KernelSpec, name: str, paths: tuple[Path, Path], cache_dir: str):
     """A Triton CompiledKernel from the bundle's cubin and metadata; the launcher Triton
     builds for it needs the kernel's signature, which the rendered source gives."""
-    from triton.compiler import ASTSource, CompiledKernel
+    from triton.compiler import CompiledKernel
 
     template, kernel, args, values, _ = KERNELS[name]
-    fn = getattr(load(template, spec, cache_dir), kernel)
-    signature = {a: TRITON_PTR[spec.dtype] if t == "*T" else t for a, t in args}
-    constexprs = {(i,): values[a] for i, (a, t) in enumerate(args) if t == "constexpr"}
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    src = ast_source(getattr(load(template, spec, cache_dir), kernel), spec, args, values)
     cubin, meta = paths
     digest = hashlib.sha256(cubin.read_bytes()).hexdigest()
     return CompiledKernel(src, {meta.name: str(meta), cubin.name: str(cubin)}, digest)

@@ -128,15 +128,15 @@ def run_sweep(engine: Engine, tokenizer, prompts: list[dict], max_tokens: int, r
     ids = {p["name"]: _ids(tokenizer, p) for p in prompts}
     for _, policy, window in modes:
         if policy != "plain":
-            engine.set_policy(policy, window)
+            engine.set_policy(policy, window, device_cap=policy != "fixed")
     _one(engine, next(iter(ids.values())), 8, True)
     runs: dict[tuple[str, str], list[dict]] = {}
     for r in range(repeats):
         order = modes[r % len(modes):] + modes[:r % len(modes)]
         for p in prompts:
             for label, policy, window in order:
-                if policy != "plain":
-                    engine.set_policy(policy, window)
+                if policy != "plain":  # fixed:N is window N, above the device cap too
+                    engine.set_policy(policy, window, device_cap=policy != "fixed")
                 runs.setdefault((p["name"], label), []).append(
                     _one(engine, ids[p["name"]], max_tokens, policy != "plain"))
     rows = []

@@ -62,6 +62,7 @@ class Engine:
         self.token_map = bundle.token_map  # the default draft's ids -> main ids, if they differ
         self.policy_name = policy or self.config.window.policy
         self.fixed_window = window or self.config.window.initial
+        self.device_cap = True  # RAS's window cap (set_policy may lift it for a benchmark)
         make_policy(self.policy_name, window=self.fixed_window)  # unknown names fail now
         self.policies: dict[str, WindowPolicy] = {}
         self.balancer = VerifyBalancer(self.config.verify_balance, self.costs)
@@ -219,11 +220,14 @@ class Engine:
             self.arena.rollback(p, runner.pool, 0)
 
     # -- window policies --------------------------------------------------------------
-    def set_policy(self, name: str, window: int | None = None) -> None:
-        """Use another window policy for new rounds (per-tenant state starts afresh)."""
+    def set_policy(self, name: str, window: int | None = None, device_cap: bool = True) -> None:
+        """Use another window policy for new rounds (per-tenant state starts afresh).
+        device_cap=False lifts RAS's device window cap (a benchmark measuring fixed windows
+        beyond it); the config's and the request's caps still apply."""
         make_policy(name, window=window or 1)  # an unknown name fails here, listing the known
         self.policy_name, self.fixed_window = name, window or self.config.window.initial
         self.policies = {}
+        self.device_cap = device_cap
 
     def policy(self, tenant: str) -> WindowPolicy:
         if tenant not in self.policies:
@@ -236,8 +240,9 @@ class Engine:
         tenant = next((t.max_window for t in self.config.tenants if t.name == seq.tenant),
                       self.config.window.max_window)
         req = seq.request
+        device = self.resources.window_cap if self.device_cap else 64
         return max(0, min(self.config.window.max_window, tenant, req.max_window or 64,
-                          self.resources.window_cap, req.max_tokens - len(seq.generated) - 1))
+                          device, req.max_tokens - len(seq.generated) - 1))
 
     def view(self, seq: Sequence) -> RoundView:
         return RoundView(seq.id, seq.tenant, seq.prompt_len, len(seq.generated), seq.stats,

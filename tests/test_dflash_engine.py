@@ -126,3 +126,19 @@ def test_config_hot_reload_under_a_running_engine(compiled, fixture_pairs, tmp_p
     assert seq.stats.last_window <= 2
     original = OriginalModel(fixture_pairs[("gpt2", "dynamo")][0])
     assert seq.generated == original.greedy([1, 2, 3], 60)
+
+
+def test_benchmark_can_lift_the_device_window_cap(compiled):
+    """RAS caps windows at twice the device row's (4 for this CPU row); a sweep measuring
+    fixed:6 lifts that cap and verifies 6 drafts a round; the config's max_window stays."""
+    config = DFlashConfig(resources=ResourceConfig(table=(ResourceRow("cpu", 2),)))
+    engine = Engine(open_bundle(compiled[("llama", "classic")]), "fixed", 6, config=config)
+    request = GenerationRequest((1, 2, 3), 40)
+    [seq] = engine.generate([request])
+    assert len(seq.stats.accepted_at) == 4  # the longest round verified 4 drafts
+    engine.set_policy("fixed", 6, device_cap=False)
+    [seq] = engine.generate([request])
+    assert len(seq.stats.accepted_at) == 6
+    engine.set_policy("fixed", 12, device_cap=False)
+    [seq] = engine.generate([request])
+    assert len(seq.stats.accepted_at) == config.window.max_window

@@ -100,17 +100,29 @@ def test_mapping_raises_acceptance_and_stays_lossless(capsys, mapped, tmp_path):
     _compile(capsys, mapped, tmp_path / "before.dsmodel", "--token-map",
              tmp_path / "identity.json")
     _compile(capsys, mapped, tmp_path / "after.dsmodel", "--auto-token-map")
+    # control: the same map without the emoji's spelling, so the draft reads its fallback
+    # token where the main has the emoji
+    spelled = open_bundle(tmp_path / "after.dsmodel").token_map
+    assert len(spelled.pieces(emoji)) == 4
+    unspelled = {m: p for m, p in spelled.expand.items() if m != emoji}
+    TokenMap(spelled.draft_to_main, 320, spelled.fallback, unspelled).save(
+        tmp_path / "unspelled.json")
+    _compile(capsys, mapped, tmp_path / "unspelled.dsmodel", "--token-map",
+             tmp_path / "unspelled.json")
+    runs = ("before", "unspelled", "after")
     rates = {(name, which): _acceptance_and_check(tmp_path / f"{which}.dsmodel",
                                                   mapped["main"], prompts)
              for name, prompts in (("emoji", emoji_prompts), ("words", word_prompts))
-             for which in ("before", "after")}
-    print("acceptance without / with the map: " + ", ".join(
-        f"{n} prompts {rates[(n, 'before')]:.2f} / {rates[(n, 'after')]:.2f}"
-        for n in ("emoji", "words")))
-    # the synthetic draft's byte tokens carry no meaning (a real byte-level draft's do), so
-    # after an emoji it cannot follow the main; the map still turns its shifted ids around
+             for which in runs}
+    print("acceptance without the map / map without the emoji's spelling / full map: "
+          + ", ".join(f"{n} prompts " + " / ".join(f"{rates[(n, w)]:.2f}" for w in runs)
+                      for n in ("emoji", "words")))
+    # with the map the draft reads the main's emoji as its own four byte tokens, whose
+    # embeddings the fixture distilled (a byte-level draft's are trained); its positions then
+    # run 3 ahead of the main's, so it agrees less after an emoji than on plain words
     assert rates[("words", "after")] > 0.9 > 0.1 > rates[("words", "before")]
-    assert rates[("emoji", "after")] >= rates[("emoji", "before")]
+    assert rates[("emoji", "after")] > 0.25 > 0.05 > rates[("emoji", "before")]
+    assert rates[("emoji", "after")] > rates[("emoji", "unspelled")] + 0.1
 
 
 def test_mapped_sampling_runs_and_restricted_q_is_a_distribution(capsys, mapped, tmp_path):
