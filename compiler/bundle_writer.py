@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from dspark.runtime.bundle import MANIFEST_FILE, dump_json, file_entry
+from dspark.runtime.bundle.bundle import MANIFEST_FILE, dump_json, file_entry
 from dspark.runtime.errors import DSparkError
 
 

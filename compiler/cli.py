@@ -12,9 +12,9 @@ import click
 from dspark.compiler.compile import ROLES, CompileOptions, compile_bundle
 from dspark.compiler.inspect_bundle import inspect_dict, inspect_text
 from dspark.compiler.progress import Progress
-from dspark.runtime.bundle import open_bundle
-from dspark.runtime.cli_util import run_cli
-from dspark.runtime.sessions import init_threads
+from dspark.runtime.bundle.bundle import open_bundle
+from dspark.runtime.cli.util import run_cli
+from dspark.runtime.model.sessions import init_threads
 from dspark.runtime.version import __version__
 
 PathArg = click.Path(path_type=Path)
@@ -28,7 +28,7 @@ def cli() -> None:
 
 @cli.command("compile")
 @click.argument("main", type=PathArg)
-@click.argument("draft", type=PathArg)
+@click.argument("draft", type=PathArg, required=False)
 @click.option("-o", "--output", "out", type=PathArg, required=True, help="bundle directory")
 @click.option("--tokenizer", type=PathArg, help="folder with tokenizer.json (default: MAIN's)")
 @click.option("--force", is_flag=True, help="replace OUT if it exists")
@@ -46,11 +46,12 @@ def cli() -> None:
               "the same string when the tokenizers differ")
 @click.option("--no-aot", is_flag=True, help="skip compiling the kernels to cubin (JIT-only)")
 @click.option("--json", "as_json", is_flag=True, help="print the manifest as JSON")
-def compile_cmd(main: Path, draft: Path, out: Path, tokenizer: Path | None, force: bool,
+def compile_cmd(main: Path, draft: Path | None, out: Path, tokenizer: Path | None, force: bool,
                 kv_budget_mb: float, block_size: str, max_seq_len: int, extra: tuple[str, ...],
                 draft_tokenizer: Path | None, token_map: Path | None, auto_token_map: bool,
                 no_aot: bool, as_json: bool) -> None:
-    """Compile MAIN and DRAFT (ONNX, with KV-cache I/O) into the bundle OUT."""
+    """Compile MAIN and DRAFT (ONNX, with KV-cache I/O) into the bundle OUT. Without DRAFT
+    the bundle drafts by lookup in each request's own context (no draft model)."""
     extras = []
     for item in extra:
         name, sep, path = item.partition("=")
@@ -84,21 +85,23 @@ def inspect_cmd(bundle: Path, as_json: bool) -> None:
 @cli.command("verify")
 @click.argument("bundle", type=PathArg)
 @click.option("--main", "main", type=PathArg, required=True, help="the main ONNX model")
-@click.option("--draft", "draft", type=PathArg, required=True, help="the draft ONNX model")
+@click.option("--draft", "draft", type=PathArg, help="the draft ONNX model (if the bundle has one)")
 @click.option("--tolerance", type=click.FloatRange(min=0), default=1e-3, show_default=True,
               help="max abs logits difference allowed")
 @click.option("--seqs", type=click.IntRange(1, 64), default=3, show_default=True)
 @click.option("--steps", type=click.IntRange(1, 64), default=4, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def verify_cmd(bundle: Path, main: Path, draft: Path, tolerance: float, seqs: int, steps: int,
+def verify_cmd(bundle: Path, main: Path, draft: Path | None, tolerance: float, seqs: int, steps: int,
                seed: int, as_json: bool) -> int:
     """Run the originals and the bundle side by side; exit 1 if logits differ > tolerance."""
     from dspark.compiler.verify import verify_model
 
     b = open_bundle(bundle)
+    if (draft is None) != ("draft" not in b.models):
+        raise click.UsageError("--draft is needed exactly when the bundle has a draft model")
     reports = [verify_model(b, role, path, seqs, steps, seed)
-               for role, path in zip(ROLES, (main, draft))]
+               for role, path in zip(ROLES, (main, draft)) if path is not None]
     ok = all(r.ok(tolerance) for r in reports)
     if as_json:
         click.echo(json.dumps({"ok": ok, "tolerance": tolerance, "models": [

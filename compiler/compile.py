@@ -17,14 +17,14 @@ from dspark.compiler.contract import InputContract, check_contract, load_header
 from dspark.compiler.kernel_stage import build_kernels
 from dspark.compiler.model_pipeline import compile_model
 from dspark.compiler.progress import Progress
-from dspark.compiler.token_gate import draft_tokenizer, resolve_token_map
-from dspark.compiler.tokenizer import copy_tokenizer, find_tokenizer, tokenizer_vocab_size
-from dspark.runtime.bundle import MEMORY_PLAN_FILE, TOKENIZER_DIR, dump_json
-from dspark.runtime.config import CONFIG_FILE, CONFIG_SCHEMA_FILE, DFlashConfig
-from dspark.runtime.config_schema import config_schema
+from dspark.compiler.tokenizer.files import copy_tokenizer, find_tokenizer, tokenizer_vocab_size
+from dspark.compiler.tokenizer.gate import draft_tokenizer, resolve_token_map
+from dspark.runtime.bundle.bundle import MEMORY_PLAN_FILE, TOKENIZER_DIR, dump_json
+from dspark.runtime.bundle.config import CONFIG_FILE, CONFIG_SCHEMA_FILE, DFlashConfig
+from dspark.runtime.bundle.config_schema import config_schema
+from dspark.runtime.bundle.memory_plan import plan_memory
+from dspark.runtime.bundle.token_map import TOKEN_MAP_FILE, TokenMap
 from dspark.runtime.errors import DSparkError, ModelInputError
-from dspark.runtime.memory_plan import plan_memory
-from dspark.runtime.token_map import TOKEN_MAP_FILE, TokenMap
 from dspark.runtime.version import BUNDLE_FORMAT_VERSION, __version__
 
 ROLES = ("main", "draft")
@@ -34,7 +34,7 @@ EXTRA_DRAFT = re.compile(r"[a-z0-9_]{1,32}$")
 @dataclass(frozen=True)
 class CompileOptions:
     main: Path
-    draft: Path
+    draft: Path | None  # None: a lookup-only bundle (drafting from the context, no model)
     out: Path
     tokenizer: Path | None = None
     force: bool = False
@@ -54,6 +54,10 @@ class CompileOptions:
                 raise DSparkError(f"--extra-draft {name}: a name is 1-32 of a-z, 0-9, _")
         if len(set(names)) != len(names):
             raise DSparkError(f"--extra-draft names must be unique, got {names}")
+        if self.draft is None and (names or self.draft_tokenizer or self.token_map
+                                   or self.auto_token_map):
+            raise DSparkError("--extra-draft, --draft-tokenizer, --token-map and "
+                              "--auto-token-map need a DRAFT model")
 
     def flags(self) -> dict:
         return {"kv_budget_mb": self.kv_budget_mb, "block_size": self.block_size,
@@ -66,6 +70,8 @@ class CompileOptions:
 
     @property
     def roles(self) -> tuple[str, ...]:
+        if self.draft is None:
+            return ("main",)
         return (*ROLES, *(f"draft_{n}" for n, _ in self.extra_drafts))
 
     def model_path(self, role: str) -> Path:
@@ -103,8 +109,10 @@ def check_inputs(opts: CompileOptions
     tokenizer = find_tokenizer(opts.tokenizer, opts.main)
     if tokenizer is not None:
         tokenizer_vocab_size(tokenizer)
-    mapping = resolve_token_map(tokenizer, draft_tokenizer(opts.draft_tokenizer, opts.draft),
-                                opts.token_map, opts.auto_token_map)
+    mapping = None
+    if opts.draft is not None:
+        mapping = resolve_token_map(tokenizer, draft_tokenizer(opts.draft_tokenizer, opts.draft),
+                                    opts.token_map, opts.auto_token_map)
     check_output(opts.out, opts.force)
     return contracts, tokenizer, mapping
 

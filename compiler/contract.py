@@ -15,8 +15,8 @@ import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
+from dspark.runtime.bundle.spec import INPUT_IDS, LOGITS, POSITION_IDS
 from dspark.runtime.errors import ModelInputError
-from dspark.runtime.spec import INPUT_IDS, LOGITS, POSITION_IDS
 
 ATTENTION_MASK = "attention_mask"
 NUMPY_TYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dspark.runtime.bundle import Bundle
-from dspark.runtime.spec import ModelSpec
+from dspark.runtime.bundle.bundle import Bundle
+from dspark.runtime.bundle.spec import ModelSpec
 
 
 def inspect_dict(bundle: Bundle) -> dict:

@@ -17,10 +17,10 @@ from dspark.compiler.progress import Progress
 from dspark.kernels.aot import ARCHS, ToolchainError, compile_cubins
 from dspark.kernels.render import TEMPLATES, render
 from dspark.kernels.spec import KernelSpec
-from dspark.runtime.bundle import dump_json
+from dspark.runtime.bundle.bundle import dump_json
+from dspark.runtime.bundle.memory_plan import MemoryPlan
+from dspark.runtime.bundle.spec import ModelSpec
 from dspark.runtime.env import child_env
-from dspark.runtime.memory_plan import MemoryPlan
-from dspark.runtime.spec import ModelSpec
 
 KERNELS_DIR = "kernels"
 

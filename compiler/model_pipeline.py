@@ -8,24 +8,24 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from dspark.compiler.attention import AttentionMatch, find_attentions
-from dspark.compiler.bind import Meaning, bind_removed_inputs, classify, int_candidates
 from dspark.compiler.contract import InputContract
-from dspark.compiler.optimize import load_full, optimize
-from dspark.compiler.probe import PROBE_SHAPES, Prober
-from dspark.compiler.progress import Progress
-from dspark.compiler.segments import SegmentCut, cut_segments, segment_graph
-from dspark.compiler.select_logits import select_logits_rows
-from dspark.compiler.verify_nodes import (
+from dspark.compiler.passes.attention import AttentionMatch, find_attentions
+from dspark.compiler.passes.bind import Meaning, bind_removed_inputs, classify, int_candidates
+from dspark.compiler.passes.optimize import load_full, optimize
+from dspark.compiler.passes.probe import PROBE_SHAPES, Prober
+from dspark.compiler.passes.segments import SegmentCut, cut_segments, segment_graph
+from dspark.compiler.passes.select_logits import select_logits_rows
+from dspark.compiler.passes.verify_nodes import (
     LayerGeometry,
     detach_kv_outputs,
     geometry_from_probe,
     insert_verify_nodes,
     verify_node_name,
 )
+from dspark.compiler.progress import Progress
 from dspark.compiler.weights import open_store
+from dspark.runtime.bundle.spec import LOGITS, VERIFY_DOMAIN, ModelSpec, Segment, VerifyOp
 from dspark.runtime.errors import UnmappableAttentionError
-from dspark.runtime.spec import LOGITS, VERIFY_DOMAIN, ModelSpec, Segment, VerifyOp
 
 _KV_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
               onnx.TensorProto.BFLOAT16: "bfloat16"}

@@ -16,8 +16,8 @@ from dspark.compiler.contract import (
     load_header,
     past_name,
 )
-from dspark.runtime.sessions import make_session
-from dspark.runtime.spec import INPUT_IDS, LOGITS, POSITION_IDS
+from dspark.runtime.bundle.spec import INPUT_IDS, LOGITS, POSITION_IDS
+from dspark.runtime.model.sessions import make_session
 
 
 class OriginalModel:

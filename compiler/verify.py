@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 
 from dspark.compiler.reference import OriginalModel
-from dspark.runtime.attention_ref import ReferenceAttention
-from dspark.runtime.batch import FlatBatch, SeqChunk
-from dspark.runtime.bundle import Bundle
-from dspark.runtime.contiguous_cache import ContiguousKVCache
+from dspark.runtime.bundle.bundle import Bundle
 from dspark.runtime.errors import DSparkError
-from dspark.runtime.executor import SegmentedModel
+from dspark.runtime.model.attention_ref import ReferenceAttention
+from dspark.runtime.model.batch import FlatBatch, SeqChunk
+from dspark.runtime.model.contiguous_cache import ContiguousKVCache
+from dspark.runtime.model.executor import SegmentedModel
 
 NOISE_FACTOR = 4.0
 

@@ -28,10 +28,6 @@ def render(template: str, spec: KernelSpec) -> str:
     return _environment().get_template(f"{template}.py.jinja").render(spec=spec)
 
 
-def source_name(template: str, spec: KernelSpec) -> str:
-    return f"{template}_{spec.tag}.py"
-
-
 @functools.cache
 def load(template: str, spec: KernelSpec, cache_dir: str, interpret: bool = False
          ) -> ModuleType:

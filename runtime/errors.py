@@ -27,3 +27,11 @@ class ConflictError(DSparkError):
 
 class QueueFullError(DSparkError):
     """Too many requests are waiting; try again later."""
+
+
+class RequestError(DSparkError):
+    """A generation request the engine cannot serve; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code

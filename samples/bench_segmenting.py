@@ -32,7 +32,7 @@ def single_session(original, ids: list[int], n: int) -> tuple[float, float]:
 
 
 def segmented(engine, ids: list[int], n: int) -> tuple[float, float]:
-    from dspark.runtime.request import GenerationRequest
+    from dspark.runtime.sequence.request import GenerationRequest
 
     t0 = time.perf_counter()
     [seq] = engine.generate([GenerationRequest(tuple(ids), n, speculative=False)])
@@ -70,8 +70,8 @@ class Plain:
 
 def main() -> None:
     from dspark.compiler.reference import OriginalModel
-    from dspark.runtime.bench import _ids, load_prompts
-    from dspark.runtime.loader import load_engine
+    from dspark.runtime.cli.bench import _ids, load_prompts
+    from dspark.runtime.engine.loader import load_engine
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bundle", type=Path, default=Path("build/smollm2.dsmodel"))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def small_ttfts(engine, short: list[int], n: int, with_big: list[int] | None) -> list[float]:
-    from dspark.runtime.request import GenerationRequest
+    from dspark.runtime.sequence.request import GenerationRequest
 
     if with_big is not None:
         for _ in range(2):
@@ -36,7 +36,7 @@ def small_ttfts(engine, short: list[int], n: int, with_big: list[int] | None) ->
 
 
 def main() -> None:
-    from dspark.runtime.loader import load_engine
+    from dspark.runtime.engine.loader import load_engine
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bundle", type=Path, default=Path("build/smollm2.dsmodel"))

@@ -23,12 +23,12 @@ SETTINGS = {  # name: (low_utilisation, high_utilisation, steady_tokens_low, ste
 
 
 def run(engine, prompts, n: int, tokens: int, speculative: bool) -> tuple[float, float]:
-    from dspark.runtime.request import GenerationRequest
+    from dspark.runtime.sequence.request import GenerationRequest
 
     batch = [prompts[i % len(prompts)] for i in range(n)]
     t0 = time.perf_counter()
-    seqs = engine.generate([GenerationRequest(tuple(p), tokens, speculative=speculative)
-                            for p in batch])
+    seqs = engine.generate([GenerationRequest(tuple(p), tokens, speculative=speculative,
+                                              method="draft") for p in batch])
     elapsed = time.perf_counter() - t0
     rounds = sum(s.stats.rounds for s in seqs)
     window = sum(s.stats.windows for s in seqs) / rounds if rounds else 0.0
@@ -36,9 +36,9 @@ def run(engine, prompts, n: int, tokens: int, speculative: bool) -> tuple[float,
 
 
 def main() -> None:
-    from dspark.runtime.bench import _ids, load_prompts
-    from dspark.runtime.config import VerifyBalanceConfig
-    from dspark.runtime.loader import load_engine
+    from dspark.runtime.bundle.config import VerifyBalanceConfig
+    from dspark.runtime.cli.bench import _ids, load_prompts
+    from dspark.runtime.engine.loader import load_engine
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bundle", type=Path, default=Path("build/smollm2.dsmodel"))

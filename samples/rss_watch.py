@@ -19,7 +19,7 @@ from load_test import rss_mb, run_clients, start_server
 def main() -> None:
     import httpx
 
-    from dspark.runtime.bench import load_prompts
+    from dspark.runtime.cli.bench import load_prompts
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bundle", type=Path, default=Path("build/smollm2.dsmodel"))

@@ -8,7 +8,7 @@ import click
 import pytest
 
 from dspark.compiler.cli import cli
-from dspark.runtime.cli_util import run_cli
+from dspark.runtime.cli.util import run_cli
 
 
 @dataclass
@@ -31,6 +31,6 @@ def run_dsc(capsys: pytest.CaptureFixture, *args: str) -> Result:
 
 
 def run_dsrun(capsys: pytest.CaptureFixture, *args: str) -> Result:
-    from dspark.runtime.cli import cli as dsrun_cli
+    from dspark.runtime.cli.main import cli as dsrun_cli
 
     return _run(capsys, dsrun_cli, "dsrun", args)

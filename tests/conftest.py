@@ -16,7 +16,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dspark.runtime.sessions import init_threads  # noqa: E402
+from dspark.runtime.model.sessions import init_threads  # noqa: E402
 
 init_threads()  # the shared onnxruntime pool must exist before the first session
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark.runtime.acceptance import accept_greedy, accept_sampled
-from dspark.runtime.bench import leviathan_bound, solve_alpha
+from dspark.runtime.cli.bench import leviathan_bound, solve_alpha
+from dspark.runtime.engine.acceptance import accept_greedy, accept_sampled
 from dspark.runtime.errors import DSparkError
-from dspark.runtime.sampling import SamplingParams, probabilities, sample
+from dspark.runtime.sequence.sampling import SamplingParams, probabilities, sample
 
 
 def _logits(*rows):

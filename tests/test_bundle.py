@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
-from dspark.runtime.bundle import open_bundle
-from dspark.runtime.config import ConfigError, DFlashConfig, config_from_dict
+from dspark.runtime.bundle.bundle import open_bundle
+from dspark.runtime.bundle.config import ConfigError, DFlashConfig, config_from_dict
+from dspark.runtime.bundle.memory_plan import MemoryPlan, plan_memory
 from dspark.runtime.errors import BundleError, DSparkError
-from dspark.runtime.memory_plan import MemoryPlan, plan_memory
 
 
 @pytest.fixture
@@ -100,7 +100,7 @@ def test_memory_plan_arithmetic(compiled):
 def test_config_schema_ships_in_the_bundle(compiled):
     import jsonschema
 
-    from dspark.runtime.config import CONFIG_SCHEMA_FILE
+    from dspark.runtime.bundle.config import CONFIG_SCHEMA_FILE
 
     bundle = open_bundle(compiled[("llama", "classic")])
     schema = json.loads(bundle.path(CONFIG_SCHEMA_FILE).read_text())

@@ -11,8 +11,8 @@ import pytest
 from dspark.compiler.compile import CompileOptions, compile_bundle
 from dspark.compiler.progress import Progress
 from dspark.compiler.verify import verify_model
-from dspark.runtime.bundle import open_bundle
-from dspark.runtime.spec import VERIFY_DOMAIN, VERIFY_OP
+from dspark.runtime.bundle.bundle import open_bundle
+from dspark.runtime.bundle.spec import VERIFY_DOMAIN, VERIFY_OP
 from dspark.runtime.version import BUNDLE_FORMAT_VERSION
 
 from cli_helpers import run_dsc

@@ -10,21 +10,21 @@ import pytest
 import torch
 from test_kv_arena import arena  # noqa: F401 - the fixture
 
-from dspark.runtime.config import (
+from dspark.runtime.bundle.config import (
     CacheHealthConfig,
     DFlashConfig,
     VerifyBalanceConfig,
     WindowConfig,
 )
 from dspark.runtime.dflash.che import CacheHealth, hit_rate, measure
-from dspark.runtime.dflash.costs import CostModel
 from dspark.runtime.dflash.dwc import DynamicWindow
 from dspark.runtime.dflash.goodput import select_slots
 from dspark.runtime.dflash.policy import RoundView, make_policy
 from dspark.runtime.dflash.reload import ConfigWatcher
 from dspark.runtime.dflash.vlb import VerifyBalancer
 from dspark.runtime.errors import DSparkError
-from dspark.runtime.request import SeqStats
+from dspark.runtime.model.costs import CostModel
+from dspark.runtime.sequence.stats import SeqStats
 
 
 def _view(generated, prompt=2000, top1=(), entropy=(), cap=8, seq=0, window=0, accepted=0):
@@ -179,9 +179,9 @@ def test_health_repairs_do_not_change_output(fixture_pairs, compiled):
     """Aggressive CHE (compact and defragment between every step) on a batch whose
     sequences finish at different times: same tokens as the original model."""
     from dspark.compiler.reference import OriginalModel
-    from dspark.runtime.bundle import open_bundle
-    from dspark.runtime.engine import Engine
-    from dspark.runtime.request import GenerationRequest
+    from dspark.runtime.bundle.bundle import open_bundle
+    from dspark.runtime.engine.engine import Engine
+    from dspark.runtime.sequence.request import GenerationRequest
 
     main, _ = fixture_pairs[("llama", "dynamo")]
     engine = Engine(open_bundle(compiled[("llama", "dynamo")]), "fixed", 8)

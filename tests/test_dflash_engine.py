@@ -12,11 +12,11 @@ import pytest
 from dspark.compiler.compile import CompileOptions, compile_bundle
 from dspark.compiler.progress import Progress
 from dspark.compiler.reference import OriginalModel
-from dspark.runtime.bundle import open_bundle
-from dspark.runtime.config import DFlashConfig, ResourceConfig, ResourceRow, TenantConfig
+from dspark.runtime.bundle.bundle import open_bundle
+from dspark.runtime.bundle.config import DFlashConfig, ResourceConfig, ResourceRow, TenantConfig
 from dspark.runtime.dflash.ras import Device, match_row, probe_device
-from dspark.runtime.engine import Engine
-from dspark.runtime.request import GenerationRequest
+from dspark.runtime.engine.engine import Engine
+from dspark.runtime.sequence.request import GenerationRequest
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_extra_draft_is_bundled(two_drafts):
     bundle = open_bundle(two_drafts[0])
     assert set(bundle.models) == {"main", "draft", "draft_small"}
     assert {p.role for p in bundle.plan.pools} == {"main", "draft", "draft_small"}
-    assert bundle.drafts["draft_small"] < bundle.drafts["draft"]
+    assert bundle.draft_models["draft_small"] < bundle.draft_models["draft"]
 
 
 def test_ras_degrades_and_recovers_without_failing_requests(two_drafts):
@@ -51,25 +51,25 @@ def test_ras_degrades_and_recovers_without_failing_requests(two_drafts):
     config = DFlashConfig(resources=ResourceConfig(
         table=(ResourceRow("cpu", 8),), degrade_usage=0.3, degrade_after_s=0.05))
     engine = Engine(open_bundle(path), "fixed", 8, config=config, max_batch=8)
-    assert engine.draft.role == "draft" and engine.resources.window_cap == 16
+    assert engine.draft_model.role == "draft" and engine.resources.window_cap == 16
     original = OriginalModel(main)
     rng = np.random.default_rng(2)
     prompts = [[int(t) for t in rng.integers(0, 320, 20)] for _ in range(6)]
-    seqs = [engine.submit(GenerationRequest(tuple(p), 100)) for p in prompts]
+    seqs = [engine.submit(GenerationRequest(tuple(p), 100, method="draft")) for p in prompts]
     modes = []
     while engine.busy:
         engine.step()
-        modes.append((engine.resources.degraded, engine.draft.role,
+        modes.append((engine.resources.degraded, engine.draft_model.role,
                       engine.resources.window_cap, engine.arena.delta_log))
         time.sleep(0.005)
     assert (True, "draft_small", 6, False) in modes  # degraded: small draft, cap 6, no log
     for p, seq in zip(prompts, seqs):
         assert seq.generated == original.greedy(p, 100)
-    light = engine.submit(GenerationRequest((1, 2, 3), 40))
+    light = engine.submit(GenerationRequest((1, 2, 3), 40, method="draft"))
     while engine.busy:
         engine.step()
         time.sleep(0.01)
-    assert not engine.resources.degraded and engine.draft.role == "draft"  # recovered
+    assert not engine.resources.degraded and engine.draft_model.role == "draft"  # recovered
     assert light.generated == original.greedy([1, 2, 3], 40)
     assert engine.resources.switches >= 2
 
@@ -107,7 +107,7 @@ def test_config_hot_reload_under_a_running_engine(compiled, fixture_pairs, tmp_p
     path.write_text(json.dumps(bundle.config.to_dict()))
     engine = Engine(bundle, "dflash")
     engine.watch_config(path)
-    seq = engine.submit(GenerationRequest((1, 2, 3), 60))
+    seq = engine.submit(GenerationRequest((1, 2, 3), 60, method="draft"))
     for _ in range(5):
         engine.step()
     data = bundle.config.to_dict()
@@ -133,7 +133,7 @@ def test_benchmark_can_lift_the_device_window_cap(compiled):
     fixed:6 lifts that cap and verifies 6 drafts a round; the config's max_window stays."""
     config = DFlashConfig(resources=ResourceConfig(table=(ResourceRow("cpu", 2),)))
     engine = Engine(open_bundle(compiled[("llama", "classic")]), "fixed", 6, config=config)
-    request = GenerationRequest((1, 2, 3), 40)
+    request = GenerationRequest((1, 2, 3), 40, method="draft")
     [seq] = engine.generate([request])
     assert len(seq.stats.accepted_at) == 4  # the longest round verified 4 drafts
     engine.set_policy("fixed", 6, device_cap=False)

@@ -13,14 +13,15 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-import dspark.runtime.engine as engine_mod
+import dspark.runtime.engine.engine as engine_mod
 from dspark.compiler.reference import OriginalModel
-from dspark.runtime.acceptance import Acceptance
-from dspark.runtime.bundle import open_bundle
-from dspark.runtime.config import DFlashConfig, VerifyBalanceConfig
-from dspark.runtime.engine import Engine
-from dspark.runtime.request import GenerationRequest
-from dspark.runtime.sampling import SamplingParams, probabilities, sample
+from dspark.runtime.bundle.bundle import open_bundle
+from dspark.runtime.bundle.config import DFlashConfig, VerifyBalanceConfig
+from dspark.runtime.drafting.state import DraftState
+from dspark.runtime.engine.acceptance import Acceptance, accept_sampled
+from dspark.runtime.engine.engine import Engine
+from dspark.runtime.sequence.request import GenerationRequest
+from dspark.runtime.sequence.sampling import SamplingParams, probabilities, sample
 
 SAMPLES = 4000
 # speculate at any batch size (VLB would turn drafting off for 512 sequences at once)
@@ -28,15 +29,18 @@ ALWAYS = DFlashConfig(verify_balance=VerifyBalanceConfig(batch_cap=False))
 PARAMS = SamplingParams(temperature=1.3)
 
 
-def _second_tokens(bundle_path, prompt: tuple[int, ...], first: int) -> np.ndarray:
-    """Second generated tokens of the sequences whose first token is `first`."""
+def _second_tokens(bundle_path, prompt: tuple[int, ...], first: int,
+                   method: str = "draft") -> np.ndarray:
+    """Second generated tokens of the sequences whose first token is `first`, drafting with
+    `method` (the draft model, or the lookup)."""
     engine = Engine(open_bundle(bundle_path), "fixed", 3, max_batch=512, config=ALWAYS)
-    requests = [GenerationRequest(prompt, 5, SamplingParams(PARAMS.temperature, seed=i))
-                for i in range(SAMPLES)]
-    seqs = engine.generate(requests)
-    assert all(s.stats.draft_tokens >= 1 for s in seqs)  # token 2 came from a speculative round
+    requests = [GenerationRequest(prompt, 5, SamplingParams(PARAMS.temperature, seed=i),
+                                  method=method) for i in range(SAMPLES)]
+    seqs = [s for s in engine.generate(requests) if s.generated[0] == first]
     assert engine.arena.free_blocks == engine.plan.num_blocks
-    return np.array([s.generated[1] for s in seqs if s.generated[0] == first])
+    # token 2 came from a round verifying a proposal of that drafter
+    assert all(s.stats.sources[method].drafted_at[0] >= 1 for s in seqs)
+    return np.array([s.generated[1] for s in seqs])
 
 
 def _chi_square(tokens: np.ndarray, p: np.ndarray) -> float:
@@ -103,9 +107,53 @@ def test_seeded_runs_are_reproducible(compiled):
     bundle = open_bundle(compiled[("gpt2", "dynamo")])
     params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=123)
     prompt = (11, 42, 7, 99, 250)
-    runs = [Engine(bundle, "fixed", 4).generate([GenerationRequest(prompt, 32, params)])[0]
+    runs = [Engine(bundle, "fixed", 4).generate([GenerationRequest(prompt, 32, params,
+                                                                method="draft")])[0]
             for _ in range(2)]
     assert runs[0].generated == runs[1].generated
     other = Engine(bundle, "fixed", 4).generate(
         [GenerationRequest(prompt, 32, SamplingParams(0.9, 0.9, 50, seed=124))])[0]
     assert other.generated != runs[0].generated
+
+
+def _lookup_round(p: np.ndarray, proposal: tuple[int, ...], rule, samples: int) -> list:
+    """Emitted tokens of `samples` verify rounds of a lookup proposal (deterministic: q is
+    one-hot, built by DraftState as the engine does) against main distributions p[i]."""
+    state = DraftState()
+    for x in proposal:
+        state.add(x, "lookup")
+    q = state.q_matrix(len(proposal), p.shape[-1])
+    return [rule(list(proposal), q, p, np.random.default_rng(i)).tokens for i in range(samples)]
+
+
+@pytest.fixture(scope="module")
+def lookup_setup(fixture_pairs):
+    """Real main distributions at two positions, and a proposal of moderately likely tokens
+    (so both an accepted and a rejected lookup draft happen often)."""
+    main, _ = fixture_pairs[("llama", "classic")]
+    prompt = [11, 42, 7, 99, 250]
+    p1 = _probs(main, prompt)
+    x1 = int(p1.argmax())
+    p2 = _probs(main, [*prompt, x1])
+    x2 = int(p2.argmax())
+    p3 = _probs(main, [*prompt, x1, x2])
+    return np.stack([p1, p2, p3]), (x1, x2)
+
+
+@pytest.mark.parametrize("position", [0, 1])
+def test_lookup_proposal_follows_main_distribution(lookup_setup, position):
+    """A deterministic proposal x is accepted with probability p(x), else the token is drawn
+    from p without x: the token emitted at each position follows p exactly (position 1:
+    among rounds that accepted the first draft)."""
+    p, proposal = lookup_setup
+    rounds = _lookup_round(p, proposal, accept_sampled, 60000)
+    tokens = np.array([r[position] for r in rounds if len(r) > position])
+    pvalue = _chi_square(tokens, p[position])
+    print(f"chi-square p-value (lookup, position {position}, {len(tokens)}): {pvalue:.3g}")
+    assert len(tokens) > 1000 and pvalue > 1e-3
+
+
+def test_broken_rule_is_detected_with_lookup(lookup_setup):
+    p, proposal = lookup_setup
+    tokens = np.array([r[0] for r in _lookup_round(p, proposal, _broken, 20000)])
+    assert _chi_square(tokens, p[0]) < 1e-6

@@ -18,7 +18,8 @@ def test_generate_json_and_plain_agree(capsys, compiled):
     spec = json.loads(r.out)
     assert len(spec["token_ids"]) == 16 and spec["finish_reason"] == "length"
     assert set(spec["stats"]) == {"rounds", "draft_tokens", "accepted_tokens",
-                                  "mean_accepted_per_round", "tokens_per_s", "ttft_ms"}
+                                  "mean_accepted_per_round", "acceptance_rate", "mean_window",
+                                  "methods", "sources", "tokens_per_s", "ttft_ms"}
     assert spec["stats"]["draft_tokens"] > 0 and spec["stats"]["ttft_ms"] > 0
     r = run_dsrun(capsys, "generate", "--model", bundle, "--prompt-ids", "1,2,3,4",
                   "--max-tokens", "16", "--json", "--no-speculative")
@@ -42,9 +43,11 @@ def test_generate_text_chat_and_stop(capsys, tok_bundle):
     stopped = json.loads(r.out)
     assert stopped["finish_reason"] == "stop" and first not in stopped["text"]
     r = run_dsrun(capsys, "generate", "--model", tok_bundle, "--prompt", "hello world w7",
-                  "--max-tokens", "4", "--temperature", "0.8", "--seed", "3", "--json")
+                  "--max-tokens", "4", "--temperature", "0.8", "--seed", "3", "--json",
+                  "--drafter", "draft")
     again = run_dsrun(capsys, "generate", "--model", tok_bundle, "--prompt", "hello world w7",
-                      "--max-tokens", "4", "--temperature", "0.8", "--seed", "3", "--json")
+                      "--max-tokens", "4", "--temperature", "0.8", "--seed", "3", "--json",
+                      "--drafter", "draft")
     assert json.loads(r.out)["token_ids"] == json.loads(again.out)["token_ids"]
 
 
@@ -73,9 +76,9 @@ def test_generate_bad_input(capsys, compiled, tok_bundle, tmp_path):
              "exactly one of")
     long_prompt = ",".join(["5"] * 70)
     _refused(run_dsrun(capsys, *gen, tok_bundle, "--prompt-ids", long_prompt),
-             "70 tokens", "max sequence length is 64")
+             "70 tokens", "maximum context length is 64")
     _refused(run_dsrun(capsys, *gen, tok_bundle, "--prompt-ids", "1,2,3", "--max-tokens", "62"),
-             "exceeds the max sequence length 64")
+             "exceeds the maximum context length 64")
     tampered = tmp_path / "t.dsmodel"
     shutil.copytree(bundle, tampered)
     (tampered / "draft" / "weights.bin").write_bytes(b"\0" * 10)
@@ -90,7 +93,8 @@ def test_bench_reports_speedup_and_bound(capsys, compiled, tmp_path):
                        '{"name": "b", "class": "chat", "prompt_ids": [9, 8, 7, 6, 5]}\n')
     png = tmp_path / "bench.png"
     r = run_dsrun(capsys, "bench", "--model", compiled[("llama", "dynamo")], "--prompts", prompts,
-                  "--max-tokens", "12", "--repeats", "2", "--json", "--plot", png)
+                  "--max-tokens", "12", "--repeats", "2", "--json", "--plot", png,
+                  "--drafter", "draft")
     assert r.code == 0, r.err
     report = json.loads(r.out)
     assert [c["name"] for c in report["classes"]] == ["chat", "code"]

@@ -1,8 +1,9 @@
 """Lossless: greedy output with speculation equals plain greedy and the original model's loop.
 
 A batch of 8 prompts of mixed lengths runs together, 64 new tokens, at windows 1, 4 and 8,
-under the dflash and goodput policies, with prompts fed in small chunks, on every fixture
-pair (both export forms) and on the real SmolLM2 pair.
+under the dflash and goodput policies, with prompts fed in small chunks, drafting with the
+draft model, the lookup (window 8) and the hybrid of both, on every fixture pair (both
+export forms) and on the real SmolLM2 pair.
 """
 
 from __future__ import annotations
@@ -12,20 +13,29 @@ import pytest
 from lossless import first_fork
 
 from dspark.compiler.reference import OriginalModel
-from dspark.runtime.bundle import open_bundle
-from dspark.runtime.config import DFlashConfig, ResourceConfig, ResourceRow, VerifyBalanceConfig
-from dspark.runtime.engine import Engine
-from dspark.runtime.request import GenerationRequest
-from dspark.runtime.tokenizer import BundleTokenizer
+from dspark.runtime.bundle.bundle import open_bundle
+from dspark.runtime.bundle.config import (
+    DFlashConfig,
+    ResourceConfig,
+    ResourceRow,
+    VerifyBalanceConfig,
+)
+from dspark.runtime.bundle.tokenizer import BundleTokenizer
+from dspark.runtime.engine.engine import Engine
+from dspark.runtime.sequence.request import GenerationRequest
+from dspark.runtime.sequence.stats import SourceStats
 
 PAIRS = [("llama", "classic"), ("llama", "dynamo"), ("gpt2", "classic"), ("gpt2", "dynamo")]
 LENGTHS = (1, 3, 5, 8, 13, 21, 34, 55)
 # no RAS cap, and speculation at every batch size (VLB would turn it off under load)
 WIDE = DFlashConfig(resources=ResourceConfig(table=(ResourceRow("cpu", 8),)),
                     verify_balance=VerifyBalanceConfig(batch_cap=False))
-# (policy, window, speculative, prefill tokens per step)
-SETTINGS = [("fixed", 1, False, 256), ("fixed", 1, True, 256), ("fixed", 4, True, 16),
-            ("fixed", 8, True, 256), ("dflash", None, True, 256), ("goodput", None, True, 32)]
+# (policy, window, speculative, prefill tokens per step, drafting method)
+SETTINGS = [("fixed", 1, False, 256, "draft"), ("fixed", 1, True, 256, "draft"),
+            ("fixed", 4, True, 16, "draft"), ("fixed", 8, True, 256, "draft"),
+            ("dflash", None, True, 256, "draft"), ("goodput", None, True, 32, "draft"),
+            ("fixed", 8, True, 256, "lookup"), ("dflash", None, True, 16, "hybrid"),
+            ("goodput", None, True, 256, "hybrid")]
 
 
 def _check_lossless(bundle_path, main_path, prompts, eos=frozenset(), max_tokens=64):
@@ -33,11 +43,11 @@ def _check_lossless(bundle_path, main_path, prompts, eos=frozenset(), max_tokens
     original = OriginalModel(main_path)
     refs = [original.greedy(p, max_tokens) for p in prompts]
     report = []
-    for policy, window, spec, chunk in SETTINGS:
+    for policy, window, spec, chunk, method in SETTINGS:
         engine = Engine(bundle, policy, window, max_batch=8, eos_ids=tuple(eos),
                         prefill_tokens=chunk, config=WIDE)
-        seqs = engine.generate([GenerationRequest(tuple(p), max_tokens, speculative=spec)
-                                for p in prompts])
+        seqs = engine.generate([GenerationRequest(tuple(p), max_tokens, speculative=spec,
+                                                  method=method) for p in prompts])
         for p, seq, ref in zip(prompts, seqs, refs):
             fork = first_fork(seq.generated, ref, p, original, set(eos), seq.finish_reason)
             if fork:
@@ -45,6 +55,8 @@ def _check_lossless(bundle_path, main_path, prompts, eos=frozenset(), max_tokens
         assert engine.arena.free_blocks == bundle.plan.num_blocks  # every block came back
         if spec:
             assert sum(s.stats.draft_tokens for s in seqs) > 0
+        if spec and method != "draft":  # the lookup proposed and was verified
+            assert sum(s.stats.sources.get("lookup", SourceStats()).drafted for s in seqs) > 0
     print("\n".join(report) or "no forks")
     return report
 
@@ -67,20 +79,20 @@ def test_speculation_accepts_when_draft_is_main(fixture_pairs, tmp_path):
     want = OriginalModel(main).greedy([5, 6, 7], 41)
     engine = Engine(open_bundle(out), "fixed", 4)
     engine.balancer.config = VerifyBalanceConfig(steady_tokens_low=8, steady_tokens_mid=8)
-    [seq] = engine.generate([GenerationRequest((5, 6, 7), 41)])
+    [seq] = engine.generate([GenerationRequest((5, 6, 7), 41, method="draft")])
     # round 1 is the prefill; then 8 rounds of 4 accepted drafts + the bonus token
     assert seq.generated == want
     assert seq.stats.rounds == 8 and seq.stats.accepted_tokens == seq.stats.draft_tokens == 32
     # VLB admitting 1 + 2 per round: the 4th draft is held, and it equals the bonus token
     engine.balancer.config = VerifyBalanceConfig(steady_tokens_low=2, steady_tokens_mid=1)
-    [seq] = engine.generate([GenerationRequest((5, 6, 7), 41)])
+    [seq] = engine.generate([GenerationRequest((5, 6, 7), 41, method="draft")])
     assert seq.generated == want
     assert seq.stats.rounds == 10 and seq.stats.accepted_tokens == seq.stats.draft_tokens == 30
 
 
 @pytest.mark.slow
 def test_greedy_lossless_on_smollm2(smollm2_pair, smollm2_bundle):
-    from dspark.runtime.bench import _ids, load_prompts
+    from dspark.runtime.cli.bench import _ids, load_prompts
 
     tokenizer = BundleTokenizer(smollm2_bundle / "tokenizer")
     prompts = [_ids(tokenizer, p) for p in load_prompts(None)]

@@ -12,10 +12,10 @@ import torch
 from dspark.compiler.reference import OriginalModel
 from dspark.kernels.library import KernelLibrary, for_device
 from dspark.kernels.verify_attention import verify_attention, verify_attention_reference
-from dspark.runtime.bundle import open_bundle
-from dspark.runtime.device import cuda_problem
-from dspark.runtime.engine import Engine
-from dspark.runtime.request import GenerationRequest
+from dspark.runtime.bundle.bundle import open_bundle
+from dspark.runtime.engine.engine import Engine
+from dspark.runtime.model.device import cuda_problem
+from dspark.runtime.sequence.request import GenerationRequest
 
 pytestmark = pytest.mark.gpu
 
@@ -52,7 +52,7 @@ def test_engine_on_cuda_is_lossless(fixture_pairs, compiled, pair):
     prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in (1, 5, 13, 34)]
     engine = Engine(bundle, "fixed", 4, max_batch=8, device="cuda")
     assert engine.arena.buffer.is_cuda
-    seqs = engine.generate([GenerationRequest(tuple(p), 48) for p in prompts])
+    seqs = engine.generate([GenerationRequest(tuple(p), 48, method="draft") for p in prompts])
     original = OriginalModel(fixture_pairs[pair][0])
     for p, seq in zip(prompts, seqs):
         assert seq.generated == original.greedy(p, 48)

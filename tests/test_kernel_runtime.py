@@ -15,13 +15,18 @@ import pytest
 import torch
 
 from dspark.compiler.reference import OriginalModel
-from dspark.runtime.bundle import open_bundle
-from dspark.runtime.config import CacheHealthConfig, DFlashConfig, ResourceConfig, ResourceRow
-from dspark.runtime.device import resolve_device
-from dspark.runtime.engine import Engine
+from dspark.runtime.bundle.bundle import open_bundle
+from dspark.runtime.bundle.config import (
+    CacheHealthConfig,
+    DFlashConfig,
+    ResourceConfig,
+    ResourceRow,
+)
+from dspark.runtime.cache.kv_arena import KVArena
+from dspark.runtime.engine.engine import Engine
 from dspark.runtime.errors import DSparkError
-from dspark.runtime.kv_arena import KVArena
-from dspark.runtime.request import GenerationRequest
+from dspark.runtime.model.device import resolve_device
+from dspark.runtime.sequence.request import GenerationRequest
 
 from cli_helpers import run_dsrun
 
@@ -31,7 +36,8 @@ ZEROING = DFlashConfig(resources=ResourceConfig(table=(ResourceRow("cpu", 8),)),
 
 def generate(bundle, prompts, max_tokens, **engine_kwargs):
     engine = Engine(bundle, "fixed", 4, max_batch=4, config=ZEROING, **engine_kwargs)
-    seqs = engine.generate([GenerationRequest(tuple(p), max_tokens) for p in prompts])
+    seqs = engine.generate([GenerationRequest(tuple(p), max_tokens, method="draft")
+                            for p in prompts])
     assert engine.arena.free_blocks == bundle.plan.num_blocks
     return engine, seqs
 
@@ -76,12 +82,12 @@ def test_rejected_slots_are_zeroed_during_generation(compiled):
     bundle = open_bundle(compiled[("llama", "classic")])
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     plain = Engine(bundle, "fixed", 4, max_batch=4).generate(
-        [GenerationRequest(tuple(p), 24) for p in prompts])
+        [GenerationRequest(tuple(p), 24, method="draft") for p in prompts])
     engine = Engine(bundle, "fixed", 4, max_batch=4, config=ZEROING)
     calls = []
     original = engine.arena.zero_slots
     engine.arena.zero_slots = lambda *a: (calls.append(a), original(*a))
-    seqs = engine.generate([GenerationRequest(tuple(p), 24) for p in prompts])
+    seqs = engine.generate([GenerationRequest(tuple(p), 24, method="draft") for p in prompts])
     assert [s.generated for s in seqs] == [s.generated for s in plain]
     assert calls and all(start < end for _, _, start, end in calls)
 

@@ -109,7 +109,7 @@ def test_rendering_is_a_pure_function_of_the_spec():
 
 def test_templates_render_for_every_fixture_model(compiled):
     from dspark.compiler.kernel_stage import kernel_spec
-    from dspark.runtime.bundle import open_bundle
+    from dspark.runtime.bundle.bundle import open_bundle
 
     for path in compiled.values():
         bundle = open_bundle(path)
@@ -135,7 +135,7 @@ def test_gpu_benchmark_cases_are_correct_on_the_cpu(tmp_path):
 
 def test_bundle_carries_cubins_per_arch(compiled):
     from dspark.kernels.aot import KERNELS
-    from dspark.runtime.bundle import open_bundle, sha256_file
+    from dspark.runtime.bundle.bundle import open_bundle, sha256_file
 
     bundle = open_bundle(compiled[("llama", "classic")])
     index = bundle.kernels
@@ -157,7 +157,7 @@ def test_toolchain_failure_leaves_a_jit_only_bundle(fixture_pairs, tmp_path, cap
     """A real Triton failure (an arch it cannot target), then --no-aot: the bundle still
     compiles, says JIT-only and why, and dsc inspect shows it."""
     from dspark.compiler import kernel_stage
-    from dspark.runtime.bundle import open_bundle
+    from dspark.runtime.bundle.bundle import open_bundle
 
     from cli_helpers import run_dsc
 

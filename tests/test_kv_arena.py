@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.runtime.attention_ref import verify_attention
-from dspark.runtime.batch import FlatBatch, SeqChunk
-from dspark.runtime.contiguous_cache import ContiguousKVCache
-from dspark.runtime.kv_arena import ArenaFullError, Delta, KVArena
-from dspark.runtime.memory_plan import plan_memory
-from dspark.runtime.paged_attention import PagedAttention
-from dspark.runtime.spec import ModelSpec, VerifyOp
+from dspark.runtime.bundle.memory_plan import plan_memory
+from dspark.runtime.bundle.spec import ModelSpec, VerifyOp
+from dspark.runtime.cache.kv_arena import ArenaFullError, Delta, KVArena
+from dspark.runtime.model.attention_ref import verify_attention
+from dspark.runtime.model.batch import FlatBatch, SeqChunk
+from dspark.runtime.model.contiguous_cache import ContiguousKVCache
+from dspark.runtime.model.paged_attention import PagedAttention
 
 
 def _spec(role: str, layers=2, heads=4, kv_heads=2, dim=16) -> ModelSpec:
@@ -95,8 +95,8 @@ def test_paged_attention_matches_contiguous_reference(arena, new):
 
 @pytest.mark.parametrize("heads,kv_heads,n,cached", [(9, 3, 70, 30), (4, 4, 65, 0), (8, 2, 1, 99)])
 def test_onnxruntime_window_attention_matches_numpy(heads, kv_heads, n, cached):
-    from dspark.runtime.ort_attention import ort_attend
-    from dspark.runtime.paged_attention import attend
+    from dspark.runtime.model.ort_attention import ort_attend
+    from dspark.runtime.model.paged_attention import attend
 
     rng = np.random.default_rng(3)
     length = cached + n

@@ -6,7 +6,7 @@ import onnx
 import pytest
 
 from dspark.compiler.verify import verify_model
-from dspark.runtime.bundle import open_bundle
+from dspark.runtime.bundle.bundle import open_bundle
 
 pytestmark = pytest.mark.slow
 

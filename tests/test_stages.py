@@ -9,14 +9,14 @@ import onnx
 import onnx_graphsurgeon as gs
 import pytest
 
-from dspark.compiler.attention import find_attentions
-from dspark.compiler.bind import Meaning, classify
 from dspark.compiler.contract import check_contract, load_header
-from dspark.compiler.optimize import load_full, optimize
-from dspark.compiler.probe import PROBE_SHAPES
-from dspark.compiler.segments import cut_segments
+from dspark.compiler.passes.attention import find_attentions
+from dspark.compiler.passes.bind import Meaning, classify
+from dspark.compiler.passes.optimize import load_full, optimize
+from dspark.compiler.passes.probe import PROBE_SHAPES
+from dspark.compiler.passes.segments import cut_segments
 from dspark.compiler.weights import ALIGN, WeightStore
-from dspark.runtime.spec import VERIFY_DOMAIN, VERIFY_OP
+from dspark.runtime.bundle.spec import VERIFY_DOMAIN, VERIFY_OP
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from dspark.compiler.reference import OriginalModel
-from dspark.runtime.bundle import open_bundle
-from dspark.runtime.engine import Engine
-from dspark.runtime.request import GenerationRequest
-from dspark.runtime.sampling import SamplingParams
-from dspark.runtime.token_map import TokenMap
+from dspark.runtime.bundle.bundle import open_bundle
+from dspark.runtime.bundle.token_map import TokenMap
+from dspark.runtime.engine.engine import Engine
+from dspark.runtime.sequence.request import GenerationRequest
+from dspark.runtime.sequence.sampling import SamplingParams
 
 from cli_helpers import run_dsc
 from model_fixtures import EMOJI, SHIFT, build_mapped_pair
@@ -81,7 +81,7 @@ def test_compile_refuses_different_tokenizers_without_a_map(capsys, mapped, tmp_
 def _acceptance_and_check(bundle, main_path, prompts):
     original = OriginalModel(main_path)
     engine = Engine(open_bundle(bundle), "fixed", 4)
-    seqs = engine.generate([GenerationRequest(tuple(p), 40) for p in prompts])
+    seqs = engine.generate([GenerationRequest(tuple(p), 40, method="draft") for p in prompts])
     for p, seq in zip(prompts, seqs):
         assert seq.generated == original.greedy(p, 40)  # lossless either way
     return sum(s.stats.accepted_tokens for s in seqs) / sum(s.stats.draft_tokens for s in seqs)
@@ -134,12 +134,13 @@ def test_mapped_sampling_runs_and_restricted_q_is_a_distribution(capsys, mapped,
     assert main_q[7] == pytest.approx(q[(7 + SHIFT) % 320] / mass)
     engine = Engine(bundle, "fixed", 4)
     [seq] = engine.generate([GenerationRequest((305, 306, 307), 24,
-                                               SamplingParams(temperature=0.8, seed=1))])
+                                               SamplingParams(temperature=0.8, seed=1),
+                                               method="draft")])
     assert len(seq.generated) == 24 and seq.stats.draft_tokens > 0
 
 
 def test_draft_reads_the_emoji_as_its_own_byte_tokens(mapped, tmp_path):
-    from dspark.compiler.tokenizer_check import load, token_map
+    from dspark.compiler.tokenizer.check import load, token_map
 
     m = token_map(load(mapped["draft_tok"], "d"), load(mapped["main_tok"], "m"))
     emoji_pieces = m.pieces(305)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from dspark.runtime.config import CacheHealthConfig
-from dspark.runtime.kv_arena import KVArena
+from dspark.runtime.bundle.config import CacheHealthConfig
+from dspark.runtime.cache.kv_arena import KVArena
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,9 @@ class CacheHealth:
         self.compactions = 0
         self.defrag_moves = 0
         self.hit_rate = 1.0
+
+    def configure(self, config) -> None:
+        self.config = config.cache_health
 
     def observe_batch(self, seq_ids: list[int]) -> None:
         self.hit_rate = hit_rate([self.arena.tables[s].blocks for s in seq_ids

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dspark.runtime.config import WindowConfig
+from dspark.runtime.bundle.config import WindowConfig
 from dspark.runtime.dflash.policy import RoundView
 
 
@@ -51,6 +51,12 @@ class DynamicWindow:
             if entropy is not None and entropy < cfg.entropy_threshold:
                 window += 1
         return window
+
+    def begin_round(self, drafting: int) -> None:
+        pass
+
+    def survival(self, view: RoundView, drafted: int) -> float | None:
+        return None
 
     def window(self, view: RoundView) -> int:
         state = self.states.setdefault(view.seq_id, DwcState())

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dspark.runtime.config import WindowConfig
-from dspark.runtime.dflash.costs import CostModel
+from dspark.runtime.bundle.config import WindowConfig
 from dspark.runtime.dflash.policy import RoundView
+from dspark.runtime.model.costs import CostModel
 
 PRIOR_ACCEPT = 0.7  # first-round guess of a draft token's acceptance
 EXPLORE_EVERY = 8  # plain rounds between re-measurements
@@ -43,9 +43,12 @@ class GoodputWindow:
         self.config = config or WindowConfig()
         self.costs = costs or CostModel()
         self.states: dict[int, GoodputState] = {}
-        self.batch = 1  # sequences drafting together this round (set by the engine)
+        self.batch = 1  # sequences drafting together this round
 
-    def _survival(self, view: RoundView, drafted: int) -> float:
+    def begin_round(self, drafting: int) -> None:
+        self.batch = max(1, drafting)
+
+    def survival(self, view: RoundView, drafted: int) -> float:
         state = self.states.setdefault(view.seq_id, GoodputState())
         a = 1.0
         for c in view.stats.draft_top1[:drafted]:
@@ -82,7 +85,7 @@ class GoodputWindow:
         s = view.stats
         if drafted == 0 or not s.draft_top1:
             return True
-        survivals = [self._survival(view, j) for j in range(1, drafted + 1)]
+        survivals = [self.survival(view, j) for j in range(1, drafted + 1)]
         return self._improves(sum(survivals), survivals[-1] * s.draft_top1[drafted - 1],
                               drafted)
 
@@ -91,7 +94,7 @@ class GoodputWindow:
         if not s.last_window:
             return
         state = self.states.setdefault(view.seq_id, GoodputState())
-        predicted = sum(self._survival(view, j) for j in range(1, s.last_window + 1))
+        predicted = sum(self.survival(view, j) for j in range(1, s.last_window + 1))
         ratio = (s.last_accepted + 0.5) / (predicted + 0.5)
         state.calibration = min(1.5, max(0.3, state.calibration + 0.2 * (
             state.calibration * ratio - state.calibration)))

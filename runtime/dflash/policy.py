@@ -2,8 +2,11 @@
 
 A policy sees a `RoundView` (lengths and the sequence's SeqStats) and the cost model; it
 never touches the executor. Per round it answers three questions:
+    begin_round(drafting)       how many sequences draft together this round
     window(view)                how many tokens may be drafted (0: plain decoding)
     keep_drafting(view, j)      after drafting j tokens, draft one more?
+    survival(view, j)           chance the j-th draft is kept; None: the policy has no model
+                                of it (VLB alone then decides how many are verified)
     observe(view)               the round is verified; update state from the statistics
 """
 
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dspark.runtime.errors import DSparkError
-from dspark.runtime.request import SeqStats
+from dspark.runtime.sequence.stats import SeqStats
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,10 @@ class RoundView:
 class WindowPolicy(Protocol):
     name: str
 
+    def begin_round(self, drafting: int) -> None: ...
+
+    def survival(self, view: RoundView, drafted: int) -> float | None: ...
+
     def window(self, view: RoundView) -> int: ...
 
     def keep_drafting(self, view: RoundView, drafted: int) -> bool: ...
@@ -53,6 +60,12 @@ class FixedWindow:
         if window < 1:
             raise DSparkError(f"window must be >= 1, got {window}")
         self.size = window
+
+    def begin_round(self, drafting: int) -> None:
+        pass
+
+    def survival(self, view: RoundView, drafted: int) -> float | None:
+        return None
 
     def window(self, view: RoundView) -> int:
         return self.size

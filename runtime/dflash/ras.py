@@ -16,7 +16,7 @@ import os
 import platform
 from dataclasses import dataclass
 
-from dspark.runtime.config import ResourceConfig, ResourceRow
+from dspark.runtime.bundle.config import ResourceConfig, ResourceRow
 
 HYSTERESIS = 0.10
 
@@ -76,12 +76,15 @@ class ResourceManager:
         self.config = config
         self.device = device
         self.row = match_row(config, device)
-        self.drafts = drafts
+        self.draft_models = drafts
         self.preferred = self.row.draft if self.row.draft in drafts else "draft"
-        self.smallest = min(drafts, key=lambda r: (drafts[r], r))
+        self.smallest = min(drafts, key=lambda r: (drafts[r], r)) if drafts else None
         self.degraded = False
         self.since: float | None = None  # when use crossed the threshold (either way)
         self.switches = 0
+
+    def configure(self, config) -> None:
+        self.config = config.resources
 
     @property
     def window_cap(self) -> int:
@@ -89,7 +92,10 @@ class ResourceManager:
         return min(cap, self.config.degraded_max_window) if self.degraded else cap
 
     @property
-    def draft(self) -> str:
+    def draft(self) -> str | None:
+        """The draft model sequences use by default (None: the bundle has none)."""
+        if not self.draft_models:
+            return None
         return self.smallest if self.degraded else self.preferred
 
     def tick(self, now: float, usage: float) -> bool:

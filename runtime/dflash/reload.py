@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from dspark.runtime.config import ConfigError, DFlashConfig, load_config
+from dspark.runtime.bundle.config import ConfigError, DFlashConfig, load_config
 
 log = logging.getLogger("dspark.reload")
 POLL_S = 0.25

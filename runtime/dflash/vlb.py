@@ -24,8 +24,8 @@ window policy alone decides.
 
 from __future__ import annotations
 
-from dspark.runtime.config import VerifyBalanceConfig
-from dspark.runtime.dflash.costs import CostModel
+from dspark.runtime.bundle.config import VerifyBalanceConfig
+from dspark.runtime.model.costs import CostModel
 
 PRIOR_ACCEPT = 0.7
 SMOOTHING = 0.05
@@ -40,6 +40,9 @@ class VerifyBalancer:
         self.costs = costs
         self.acceptance = PRIOR_ACCEPT  # of fast-lane tokens, EWMA over rounds
         self.verify_tokens = 1  # size of the last verify forward
+
+    def configure(self, config) -> None:
+        self.config = config.verify_balance
 
     def observe(self, tokens: int, seconds: float) -> None:
         """After a verify forward of `tokens` tokens."""

@@ -17,9 +17,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from dspark.runtime.errors import ConflictError
-from dspark.runtime.request import GenerationRequest, Sequence
-from dspark.runtime.sampling import SamplingParams
+from dspark.runtime.bundle.tokenizer import BundleTokenizer
+from dspark.runtime.errors import ConflictError, RequestError
+from dspark.runtime.sequence.request import GenerationRequest, Sequence
+from dspark.runtime.sequence.sampling import SamplingParams
+from dspark.runtime.sequence.validate import draft_role, validate
 from dspark.runtime.server import errors
 from dspark.runtime.server.errors import APIError
 from dspark.runtime.server.metrics import Metrics
@@ -28,11 +30,11 @@ from dspark.runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationParams,
+    SpeculativeConfig,
     WarmupRequest,
 )
 from dspark.runtime.server.service import EngineService, Handle
 from dspark.runtime.server.streaming import TextStream
-from dspark.runtime.tokenizer import BundleTokenizer
 
 DISCONNECT_POLL_S = 0.5
 
@@ -56,7 +58,6 @@ def create_app(state: ServerState, warmup: bool = True) -> FastAPI:
 
     app = FastAPI(title="DSpark", docs_url=None, redoc_url=None, lifespan=lifespan)
     errors.install(app)
-    engine = state.service.engine
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
@@ -74,14 +75,15 @@ def create_app(state: ServerState, warmup: bool = True) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(state.metrics.render(engine), media_type=CONTENT_TYPE_LATEST)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
+        limits = state.service.snapshot.limits
         return {"object": "list", "data": [{
             "id": state.model_id, "object": "model", "created": state.created,
-            "owned_by": "dspark", "max_model_len": engine.plan.max_seq_len,
-            "drafts": sorted(engine.drafts)}]}
+            "owned_by": "dspark", "max_model_len": limits.max_seq_len,
+            "drafts": list(limits.draft_models)}]}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -115,7 +117,7 @@ def create_app(state: ServerState, warmup: bool = True) -> FastAPI:
 
     @app.post("/v1/cache/resize")
     async def resize(body: CacheResizeRequest):
-        deadline = time.monotonic() + engine.config.cache_resize_grace_period_sec
+        deadline = time.monotonic() + state.service.snapshot.resize_grace_s
         while True:
             try:
                 plan = await state.service.call(lambda e: e.resize(body.max_length))
@@ -139,7 +141,7 @@ def _tokenizer(state: ServerState) -> BundleTokenizer:
 
 def _request(state: ServerState, body: GenerationParams, ids: list[int], tenant: str,
              prompt_param: str) -> GenerationRequest:
-    engine = state.service.engine
+    """The request's shape here; its bounds in validate() (the one path the CLI uses too)."""
     if (name := body.unsupported()) is not None:
         raise APIError(400, f"{name} is not supported by this server", param=name,
                        code="unsupported_parameter")
@@ -147,35 +149,23 @@ def _request(state: ServerState, body: GenerationParams, ids: list[int], tenant:
         raise APIError(404, f"the model '{body.model}' does not exist (this server serves "
                        f"'{state.model_id}')", param="model", code="model_not_found",
                        kind="not_found_error")
-    limit = engine.plan.max_seq_len
     if not ids:
         raise APIError(400, "the prompt is empty", param=prompt_param)
-    if len(ids) >= limit:
-        raise APIError(400, f"the prompt has {len(ids)} tokens; this model's maximum context "
-                       f"length is {limit}", param=prompt_param, code="context_length_exceeded")
-    max_tokens = body.limit() or limit - len(ids)
-    if len(ids) + max_tokens > limit:
-        raise APIError(400, f"max_tokens {max_tokens} + the prompt's {len(ids)} tokens exceed "
-                       f"this model's maximum context length {limit}", param="max_tokens",
-                       code="context_length_exceeded")
-    spec = body.speculative_config
-    draft = None
-    if spec is not None and spec.draft_model is not None:
-        draft = _draft_role(engine, spec.draft_model)
+    limits = state.service.snapshot.limits
+    spec = body.speculative_config or SpeculativeConfig()
     temperature = 1.0 if body.temperature is None else body.temperature
     sampling = SamplingParams(temperature, body.top_p or 1.0, body.top_k or 0, body.seed)
-    return GenerationRequest(tuple(ids), max_tokens, sampling, body.stops(),
-                             speculative=body.speculative_decoding,
-                             max_window=spec.max_window if spec else None, tenant=tenant,
-                             draft=draft)
-
-
-def _draft_role(engine, name: str) -> str:
-    for role in engine.drafts:
-        if name in (role, role.removeprefix("draft_")):
-            return role
-    raise APIError(400, f"draft model '{name}' is not in the bundle (drafts: "
-                   f"{', '.join(sorted(engine.drafts))})", param="speculative_config.draft_model")
+    request = GenerationRequest(
+        tuple(ids), body.limit() or max(1, limits.max_seq_len - len(ids)), sampling,
+        body.stops(), speculative=body.speculative_decoding, max_window=spec.max_window,
+        tenant=tenant, draft_model=draft_role(spec.draft_model, limits)
+        if spec.draft_model is not None else None, method=spec.method)
+    try:
+        validate(request, limits)
+    except RequestError as e:
+        param = prompt_param if e.param == "prompt" else e.param
+        raise APIError(400, str(e), param=param, code=e.code) from None
+    return request
 
 
 async def _generate(state: ServerState, body, ids: list[int], kind: str, request: Request,
@@ -206,7 +196,7 @@ async def _generate(state: ServerState, body, ids: list[int], kind: str, request
               {"index": 0, "text": text, "finish_reason": seq.finish_reason, "logprobs": None})
     return {**meta, "object": "chat.completion" if kind == "chat" else "text_completion",
             "choices": [choice], "usage": _usage(seq),
-            "speculative_decoding_stats": _spec_stats(seq)}
+            "speculative_decoding_stats": seq.stats.summary()}
 
 
 async def _wait(state: ServerState, handle: Handle, request: Request) -> Sequence | None:
@@ -259,7 +249,8 @@ async def _sse(state: ServerState, handle: Handle, meta: dict, kind: str, decode
                 yield chunk(text)
             if finish is not None:
                 done = True
-                yield chunk(None, finish, extra={"speculative_decoding_stats": _spec_stats(seq)})
+                yield chunk(None, finish,
+                            extra={"speculative_decoding_stats": seq.stats.summary()})
                 if include_usage:
                     usage = {**meta, "object": obj, "choices": [], "usage": _usage(seq)}
                     yield f"data: {json.dumps(usage)}\n\n"
@@ -274,10 +265,3 @@ async def _sse(state: ServerState, handle: Handle, meta: dict, kind: str, decode
 def _usage(seq: Sequence) -> dict:
     return {"prompt_tokens": seq.prompt_len, "completion_tokens": len(seq.generated),
             "total_tokens": seq.prompt_len + len(seq.generated)}
-
-
-def _spec_stats(seq: Sequence) -> dict:
-    s = seq.stats
-    return {"draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
-            "rounds": s.rounds, "mean_window": round(s.mean_window, 3),
-            "acceptance_rate": round(s.acceptance_rate, 4)}

@@ -8,7 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dspark.runtime.errors import ConflictError, DSparkError, QueueFullError
+from dspark.runtime.errors import ConflictError, DSparkError, QueueFullError, RequestError
 
 
 class APIError(Exception):
@@ -55,4 +55,6 @@ def install(app) -> None:
         429, str(e), code="queue_full", kind="rate_limit_error").response())
     app.add_exception_handler(ConflictError, lambda _, e: APIError(
         409, str(e), code="conflict").response())
+    app.add_exception_handler(RequestError, lambda _, e: APIError(
+        400, str(e), param=e.param, code=e.code).response())
     app.add_exception_handler(DSparkError, lambda _, e: APIError(400, str(e)).response())

@@ -1,8 +1,10 @@
 """Prometheus metrics of a serving engine (text exposition through prometheus_client).
 
-Counters and histograms are fed after every engine step (in the engine thread); rolling
-one-minute gauges (reject rate, decisions, accept throughput, verify p99) and the cache
-health, resource and reload gauges are computed when /metrics is scraped. Labels: model and
+Everything is computed in the engine thread, after every step and about once a second
+while idle: counters, histograms, the rolling one-minute gauges (reject rate, decisions,
+accept throughput, verify p99) and the cache health, resource and reload gauges. A scrape
+(the event loop) only renders the registry, which prometheus_client locks; it never reads
+the engine. Labels: model and
 device everywhere, tenant where meaningful.
 """
 
@@ -13,8 +15,8 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from dspark.runtime.engine import Engine
-from dspark.runtime.request import Sequence
+from dspark.runtime.engine.engine import Engine
+from dspark.runtime.sequence.request import Sequence
 
 MINUTE = 60.0
 MS_BUCKETS = (1, 2, 5, 10, 20, 35, 50, 75, 100, 150, 250, 500, 1000, 2500, 5000, 10000)
@@ -68,6 +70,12 @@ class Metrics:
                              md + ["result"], registry=r)
         self.reload_errors = Gauge("dflash_config_reload_errors_total", "Rejected config "
                                    "reloads since start", md, registry=r)
+        self.by_source = Counter("dflash_draft_tokens_by_source", "Draft tokens verified and "
+                                 "accepted, by drafting source", mdt + ["source", "result"],
+                                 registry=r)
+        self.methods = Counter("dflash_draft_method_rounds", "Verify rounds by the drafting "
+                               "source used (plain, lookup, draft, lookup+draft)",
+                               mdt + ["method"], registry=r)
         self.requests = Counter("dflash_requests", "Requests by endpoint and status",
                                 md + ["endpoint", "status"], registry=r)
         self.rounds: deque = deque()  # (time, tenant, window, drafted, accepted)
@@ -88,15 +96,23 @@ class Metrics:
         if engine.last_verify_ms is not None:
             self.verify.labels(**self.labels).observe(engine.last_verify_ms)
             self.verifies.append((now, engine.last_verify_ms))
-        for tenant, window, drafted, accepted in engine.round_log:
+        for tenant, window, drafted, accepted, sources in engine.round_log:
             t = self._t(tenant)
+            for i, source in enumerate(sources):
+                self.by_source.labels(**t, source=source, result="drafted").inc()
+                if i < accepted:
+                    self.by_source.labels(**t, source=source, result="accepted").inc()
             self.rounds.append((now, tenant, window, drafted, accepted))
             self.drafted.labels(**t).inc(drafted)
             self.accepted.labels(**t).inc(accepted)
             for position in range(1, accepted + 1):
                 self.accepted_at.labels(**t, position=str(position)).inc()
+        for tenant, source in engine.method_log:
+            self.methods.labels(**self._t(tenant), method=source).inc()
         for seq in advanced:
             self._latencies(seq, now)
+        self._rolling(now)
+        self._state(engine)
 
     def _latencies(self, seq: Sequence, now: float) -> None:
         seen = self.metered.get(seq.id, 0)
@@ -114,11 +130,11 @@ class Metrics:
             self.metered.pop(seq.id, None)
             self.last_emit.pop(seq.id, None)
 
-    def render(self, engine: Engine) -> bytes:
-        """Event loop, on scrape: refresh the rolling and state gauges, then expose."""
-        now = time.perf_counter()
-        self._prune(now)
-        self._rolling(now)
+    def render(self) -> bytes:
+        """Any thread, on scrape."""
+        return generate_latest(self.registry)
+
+    def _state(self, engine: Engine) -> None:
         h, lab = engine.health.health, self.labels
         self.hit_rate.labels(**lab).set(engine.health.hit_rate)
         self.kv_usage.labels(**lab).set(engine.arena.used_blocks / engine.plan.num_blocks)
@@ -134,7 +150,6 @@ class Metrics:
             for result, count in engine.watcher.reloads.items():
                 self.reloads.labels(**lab, result=result).set(count)
             self.reload_errors.labels(**lab).set(engine.watcher.reloads["error"])
-        return generate_latest(self.registry)
 
     def _prune(self, now: float) -> None:
         """Keep one minute of rounds and verifies (whether or not anyone scrapes)."""

@@ -3,7 +3,7 @@
 Unknown fields are refused (as OpenAI does), and so are known options DSpark does not
 implement (n > 1, logprobs, penalties, tools...), each naming the field: never silently
 ignored. Extensions: `speculative_decoding` (default true) and `speculative_config`
-(`draft_model`, `max_window`), `top_k`.
+(`method`: hybrid, lookup or draft; `draft_model`, `max_window`), `top_k`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ class StreamOptions(BaseModel):
 
 class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    method: Literal["hybrid", "lookup", "draft"] | None = None
     draft_model: str | None = None
     max_window: int | None = Field(None, ge=1, le=64)
 

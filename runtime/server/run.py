@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from dspark.runtime.engine.loader import load_engine
 from dspark.runtime.env import read_env
-from dspark.runtime.loader import load_engine
 from dspark.runtime.server.app import ServerState, create_app
 from dspark.runtime.server.metrics import Metrics
 from dspark.runtime.server.service import EngineService

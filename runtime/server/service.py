@@ -15,12 +15,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dspark.runtime.engine import Engine
+from dspark.runtime.engine.engine import Engine
+from dspark.runtime.engine.snapshot import EngineSnapshot
 from dspark.runtime.errors import QueueFullError
-from dspark.runtime.request import GenerationRequest, Sequence
+from dspark.runtime.sequence.request import GenerationRequest, Sequence
+from dspark.runtime.sequence.validate import validate
 
 log = logging.getLogger("dspark.server")
 IDLE_WAIT_S = 0.05
+IDLE_REFRESH_S = 1.0  # while idle, metrics' rolling windows still move on
 
 
 @dataclass
@@ -32,7 +35,6 @@ class Handle:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     seq: Sequence | None = None
     sent: int = 0  # tokens already announced
-    error: Exception | None = None
 
     def post(self, event: tuple) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -50,6 +52,7 @@ class EngineService:
         self.handles: dict[int, Handle] = {}
         self.ready = threading.Event()
         self.stopping = threading.Event()
+        self.snapshot = EngineSnapshot.of(engine)  # replaced whole by the engine thread
         self.thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
 
     # -- called from the event loop ---------------------------------------------------
@@ -66,10 +69,10 @@ class EngineService:
 
     def submit(self, request: GenerationRequest) -> Handle:
         """Queue a request (its shape was checked by the caller); 429 when the queue is full."""
-        waiting = self.commands.qsize() + self.engine.scheduler.pending
+        waiting = self.commands.qsize() + self.snapshot.waiting
         if waiting >= self.max_queue:
             raise QueueFullError(f"{waiting} requests are waiting (limit {self.max_queue})")
-        self.engine.check(request)
+        validate(request, self.snapshot.limits)
         handle = Handle(request, asyncio.get_running_loop())
         self.commands.put(("submit", handle))
         return handle
@@ -86,10 +89,15 @@ class EngineService:
 
     # -- the engine thread ------------------------------------------------------------
     def _loop(self) -> None:
+        last = time.perf_counter()
         while not self.stopping.is_set():
             self._drain(block=not self.engine.busy)
             if not self.engine.busy:
                 self.engine.maintain()
+                self.snapshot = EngineSnapshot.of(self.engine)
+                if self.on_step is not None and time.perf_counter() - last > IDLE_REFRESH_S:
+                    self.on_step(self.engine, [], 0.0)
+                    last = time.perf_counter()
                 continue
             t0 = time.perf_counter()
             try:
@@ -98,9 +106,11 @@ class EngineService:
                 log.exception("engine step failed")
                 self._fail_all(e)
                 continue
+            self.snapshot = EngineSnapshot.of(self.engine)
             self._notify(advanced)
             if self.on_step is not None:
                 self.on_step(self.engine, advanced, time.perf_counter() - t0)
+                last = time.perf_counter()
 
     def _drain(self, block: bool) -> None:
         try:

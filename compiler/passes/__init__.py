@@ -1,0 +1,1 @@
+"""Graph rewrites of the compiler's stages, each `pass(graph) -> count`."""

@@ -1,0 +1,58 @@
+"""Stage 1, optimize: onnxruntime offline optimization, then ONNX shape inference.
+
+Basic level only: it folds constants and removes redundant nodes but adds no contrib ops
+(the extended level's fusions are EP-specific and would hide the attention pattern).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+
+from dspark.compiler.contract import InputContract
+from dspark.runtime.errors import ModelInputError
+from dspark.runtime.model.sessions import make_session
+
+
+def optimize(contract: InputContract, workdir: Path, role: str) -> Path:
+    """Write `role`.opt.onnx (weights in `role`.opt.weights) into workdir; return its path."""
+    out = workdir / f"{role}.opt.onnx"
+    config = {
+        "session.optimized_model_external_initializers_file_name": f"{role}.opt.weights",
+        "session.optimized_model_external_initializers_min_size_in_bytes": "1024",
+    }
+    try:
+        make_session(contract.path, level="basic", optimized_path=out, config=config)
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelInputError(f"{contract.path}: onnxruntime cannot load it: {first}") from None
+    inferred = workdir / f"{role}.inferred.onnx"
+    onnx.save(infer_types(out), str(inferred))
+    return inferred
+
+
+def infer_types(path: Path) -> onnx.ModelProto:
+    """The model (weights left external) with types and shapes of every tensor.
+
+    ONNX inference stops at contrib ops (an int4 draft's MatMulNBits); onnxruntime's symbolic
+    inference knows them, so it runs when the graph has any (it reads the weights).
+    """
+    model = onnx.load(str(path), load_external_data=False)
+    if all(n.domain in ("", "ai.onnx") for n in model.graph.node):
+        return onnx.shape_inference.infer_shapes(model, data_prop=True)
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    try:
+        full = SymbolicShapeInference.infer_shapes(onnx.load(str(path)), auto_merge=True,
+                                                   guess_output_rank=True)
+    except Exception:  # noqa: BLE001 - fall back to what ONNX itself can infer
+        return onnx.shape_inference.infer_shapes(model, data_prop=True)
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(full.graph.value_info)
+    return model
+
+
+def load_full(path: Path) -> onnx.ModelProto:
+    """The optimized model with its weights, for graph surgery."""
+    return onnx.load(str(path), load_external_data=True)

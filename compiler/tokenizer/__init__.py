@@ -1,0 +1,1 @@
+"""The tokenizer gate: bundle tokenizer files, draft/main alignment checks."""

@@ -1,0 +1,1 @@
+"""The .dsmodel format: reader, specs, memory plan, config, token map, tokenizer."""

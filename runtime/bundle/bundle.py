@@ -1,0 +1,156 @@
+"""The .dsmodel bundle format: layout, canonical JSON, and the verifying reader.
+
+    manifest.json        format version, compiler version, input hashes, model specs,
+                         every file with its sha256 and size
+    main/  draft/        model.onnx (whole rewritten graph), segment_NNN.onnx, weights.bin
+    dflash_config.json   scheduler parameters (mutable: validated by schema, not by hash)
+    memory_plan.json     the unified KV arena plan
+    kernels/             index.json; per kernel spec the rendered Triton sources and, per
+                         arch (sm_80, sm_90), each kernel's cubin with Triton's metadata
+    tokenizer/           tokenizer.json, tokenizer_config.json
+The compiler writes through `dump_json` and `file_entry` so reader and writer agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspark.kernels.spec import KernelSpec
+from dspark.runtime.bundle.config import CONFIG_FILE, DFlashConfig, load_config
+from dspark.runtime.bundle.memory_plan import MemoryPlan
+from dspark.runtime.bundle.spec import ModelSpec
+from dspark.runtime.bundle.token_map import TokenMap
+from dspark.runtime.errors import BundleError
+from dspark.runtime.version import BUNDLE_FORMAT_VERSION
+
+MANIFEST_FILE = "manifest.json"
+MEMORY_PLAN_FILE = "memory_plan.json"
+TOKENIZER_DIR = "tokenizer"
+KERNELS_INDEX = "kernels/index.json"
+MUTABLE_FILES = frozenset({CONFIG_FILE})
+
+
+def dump_json(obj: object) -> bytes:
+    """Canonical JSON: same object, same bytes (bundles are cached by hash)."""
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_entry(path: Path) -> dict:
+    return {"sha256": sha256_file(path), "size": path.stat().st_size}
+
+
+@dataclass(frozen=True)
+class Bundle:
+    root: Path
+    manifest: dict
+    models: dict[str, ModelSpec]
+    plan: MemoryPlan
+    config: DFlashConfig
+
+    def path(self, rel: str) -> Path:
+        return self.root / rel
+
+    def model(self, role: str) -> ModelSpec:
+        return self.models[role]
+
+    @property
+    def token_map(self) -> TokenMap | None:
+        """The draft->main map of the default draft, when its tokenizer differs."""
+        name = self.manifest.get("token_map")
+        if not name:
+            return None
+        return TokenMap.load(self.root / name, self.models["draft"].vocab_size,
+                             self.models["main"].vocab_size)
+
+    @property
+    def draft_models(self) -> dict[str, int]:
+        """Draft roles ("draft", "draft_<name>") with their weight bytes."""
+        files = self.manifest["files"]
+        return {r: files.get(s.weights_file, {}).get("size", 0)
+                for r, s in self.models.items() if r.startswith("draft")}
+
+    @property
+    def kernels(self) -> dict:
+        """kernels/index.json: the kernel specs, their sources and cubins per arch."""
+        try:
+            return json.loads((self.root / KERNELS_INDEX).read_text())
+        except (OSError, ValueError) as e:
+            raise BundleError(f"{self.root / KERNELS_INDEX}: unreadable ({e})") from None
+
+    def kernel_spec(self, role: str) -> KernelSpec:
+        for entry in self.kernels["specs"].values():
+            if role in entry["roles"]:
+                return KernelSpec(**entry["spec"])
+        raise BundleError(f"{self.root / KERNELS_INDEX}: no kernel spec for {role!r}")
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        d = self.root / TOKENIZER_DIR
+        return d if (d / "tokenizer.json").is_file() else None
+
+
+def _read_manifest(root: Path) -> dict:
+    path = root / MANIFEST_FILE
+    if not root.exists():
+        raise BundleError(f"{root}: no such bundle")
+    if not root.is_dir():
+        raise BundleError(f"{root}: not a bundle directory")
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BundleError(f"{path}: missing; {root} is not a .dsmodel bundle") from None
+    except (OSError, ValueError) as e:
+        raise BundleError(f"{path}: unreadable manifest ({e})") from None
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if version != BUNDLE_FORMAT_VERSION:
+        raise BundleError(
+            f"{path}: bundle format version {version!r}, this runtime reads "
+            f"{BUNDLE_FORMAT_VERSION}; recompile with this dsc"
+        )
+    return manifest
+
+
+def _verify_files(root: Path, files: dict) -> None:
+    for rel, entry in sorted(files.items()):
+        if rel in MUTABLE_FILES:
+            continue
+        path = root / rel
+        if not path.is_file():
+            raise BundleError(f"{path}: missing from bundle")
+        if path.stat().st_size != entry["size"]:
+            raise BundleError(
+                f"{path}: size {path.stat().st_size} != {entry['size']} in manifest (truncated?)"
+            )
+        if sha256_file(path) != entry["sha256"]:
+            raise BundleError(f"{path}: sha256 does not match the manifest (tampered?)")
+
+
+def open_bundle(path: str | Path, verify: bool = True, config_path: str | Path | None = None
+                ) -> Bundle:
+    """Load a bundle, checking format version and (by default) every immutable file's hash."""
+    root = Path(path)
+    manifest = _read_manifest(root)
+    try:
+        files = manifest["files"]
+        models = {role: ModelSpec.from_dict(d) for role, d in manifest["models"].items()}
+    except (KeyError, TypeError, ValueError) as e:
+        raise BundleError(f"{root / MANIFEST_FILE}: malformed manifest ({e!r})") from None
+    if verify:
+        _verify_files(root, files)
+    try:
+        plan = MemoryPlan.from_dict(json.loads((root / MEMORY_PLAN_FILE).read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BundleError(f"{root / MEMORY_PLAN_FILE}: unreadable memory plan ({e!r})") from None
+    config = load_config(config_path or root / CONFIG_FILE)
+    return Bundle(root, manifest, models, plan, config)

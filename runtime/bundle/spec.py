@@ -1,0 +1,91 @@
+"""What a compiled model is: its segments, its SpeculativeVerify ops and its KV geometry.
+
+Written by the compiler into manifest.json, read back by the runtime. Plain frozen data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+VERIFY_DOMAIN = "ai.dspark"
+VERIFY_OP = "SpeculativeVerify"
+INPUT_IDS = "input_ids"
+POSITION_IDS = "position_ids"
+LOGITS = "logits"
+LOGITS_INDEX = "logits_index"
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class VerifyOp:
+    """One ai.dspark::SpeculativeVerify(q, k_new, v_new) -> out node.
+
+    q is [1, num_heads, T, head_dim], k_new and v_new [1, num_kv_heads, T, head_dim];
+    out has q's shape. The op appends k_new/v_new to layer `layer` of the cache and attends
+    each new token over its own sequence's positions up to and including itself.
+    """
+
+    name: str
+    layer: int
+    q: str
+    k: str
+    v: str
+    out: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    after_segment: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    index: int
+    file: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    role: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    kv_dtype: str
+    inputs: tuple[str, ...]  # input_ids and, if used, position_ids and logits_index
+    graph_file: str  # the whole rewritten graph (SpeculativeVerify nodes inside)
+    weights_file: str  # shared external data of graph_file and every segment
+    segments: tuple[Segment, ...]
+    verify_ops: tuple[VerifyOp, ...]
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype not in _DTYPE_BYTES:
+            raise ValueError(f"kv_dtype {self.kv_dtype!r} not in {sorted(_DTYPE_BYTES)}")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V, every layer, every KV head."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _DTYPE_BYTES[self.kv_dtype]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelSpec:
+        d = dict(d)
+        d["inputs"] = tuple(d["inputs"])
+        d["segments"] = tuple(
+            Segment(**{**s, "inputs": tuple(s["inputs"]), "outputs": tuple(s["outputs"])})
+            for s in d["segments"]
+        )
+        d["verify_ops"] = tuple(VerifyOp(**op) for op in d["verify_ops"])
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})

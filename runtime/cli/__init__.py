@@ -1,0 +1,1 @@
+"""dsrun: generate, bench and serve from the command line."""

@@ -1,0 +1,156 @@
+"""Which drafting source pays for a sequence this round (the hybrid drafter's decision).
+
+Every source is scored by expected tokens per second of the round, from measured costs
+(costs.py) and the sequence's own running acceptance per position:
+
+    plain            1 token for t_main(1)
+    lookup, k        1 + sum_j a_j tokens for t_main(k + 1)           (drafting is free)
+    model, w         1 + sum_j b_j tokens for t_draft(c + 1) + (w - 1) t_draft(1) + t_main(w + 1)
+                     (c: tokens the draft model must catch up on first)
+
+a_j is the lookup's survival to draft j (the product of its step confidences, calibrated
+per sequence by what was accepted), b_j the model's measured survival to position j on
+this sequence (prior PRIOR_ACCEPT^j, worth PRIOR_WEIGHT rounds). A source must beat plain
+decoding by MARGIN (the costs leave out the engine's own per-round work). A source that
+loses is re-measured every `explore_every` plain rounds with one cheap round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dspark.runtime.bundle.config import DraftingConfig
+from dspark.runtime.model.costs import CostModel
+from dspark.runtime.sequence.stats import SeqStats
+
+PRIOR_ACCEPT = 0.7
+PRIOR_WEIGHT = 2.0
+MARGIN = 1.05
+STEADY_BEHIND = 2  # tokens a draft model used every round reads before drafting
+SMOOTHING = 0.2
+
+
+@dataclass
+class SourceState:
+    calibration: dict[str, float] = field(default_factory=dict)  # observed / predicted, EWMA
+    idle_rounds: int = 0  # rounds since the model was last tried
+    model_speed: float = 1.0  # realized / predicted tokens per second of model rounds, EWMA
+    predicted: float | None = None  # the rate this round's model drafts were chosen for
+
+
+class SourceChooser:
+    def __init__(self, config: DraftingConfig, costs: CostModel):
+        self.config = config
+        self.costs = costs
+        self.states: dict[int, SourceState] = {}
+
+    def configure(self, config) -> None:
+        self.config = config.drafting
+
+    def state(self, seq_id: int) -> SourceState:
+        return self.states.setdefault(seq_id, SourceState())
+
+    def survivals(self, seq_id: int, sources: list[str], confidence: list[float]) -> list[float]:
+        """Calibrated survival to each pending draft."""
+        cal, a, out = self.state(seq_id).calibration, 1.0, []
+        for source, c in zip(sources, confidence):
+            a *= min(1.0, cal.get(source, 1.0) * c)
+            out.append(a)
+        return out
+
+    def observe(self, seq_id: int, source: str, predicted: float, accepted: int) -> None:
+        """After a verify of drafts from `source` that predicted `predicted` accepted."""
+        cal = self.state(seq_id).calibration
+        old = cal.get(source, 1.0)
+        ratio = (accepted + 0.5) / (predicted + 0.5)
+        cal[source] = min(1.5, max(0.2, old + SMOOTHING * (old * ratio - old)))
+
+    def expect(self, seq_id: int, rate: float | None) -> None:
+        """The model drafts this round, chosen for `rate` tokens per second."""
+        self.state(seq_id).predicted = rate
+
+    def observe_round(self, seq_id: int, tokens: int, seconds: float) -> None:
+        """A round's realized tokens and seconds: where the model drafted, what the cost
+        model left out (context length, catch-up chunks, the engine's own work) shows as
+        realized / predicted, and scales the model's expected rate from then on."""
+        state = self.state(seq_id)
+        if state.predicted and seconds > 0:
+            ratio = (tokens / seconds) / state.predicted
+            state.model_speed = min(1.5, max(0.4, state.model_speed + SMOOTHING * (
+                ratio * state.model_speed - state.model_speed)))
+        state.predicted = None
+
+    def forget(self, seq_id: int) -> None:
+        self.states.pop(seq_id, None)
+
+    def _t(self, role: str, tokens: int) -> float | None:
+        return self.costs.seconds(role, tokens)
+
+    def rate(self, survivals: list[float], extra: int = 0, stats: SeqStats | None = None,
+             behind: int = 0, overhead: float = 0.0) -> float | None:
+        """Expected tokens per second of a round verifying the pending drafts (survivals)
+        plus `extra` model drafts after them, the model first reading the `behind` tokens
+        it has not seen; None while a needed cost is unmeasured. With nothing pending and
+        no extra this is plain decoding's rate."""
+        t_main = self.costs.seconds("main", len(survivals) + extra + 1)
+        t_draft = 0.0
+        if extra:
+            first, step = self.costs.seconds("draft", behind + 1), self.costs.seconds("draft", 1)
+            if first is None or step is None:
+                return None
+            t_draft = first + (extra - 1) * step + overhead
+        if t_main is None:
+            return None
+        last = survivals[-1] if survivals else 1.0
+        return (1 + sum(survivals) + last * self._model_survival(stats, extra)) / (
+            t_draft + t_main)
+
+    @staticmethod
+    def _model_survival(stats: SeqStats | None, extra: int) -> float:
+        """sum_{j<=extra} b_j: the model's measured survival per position on this sequence."""
+        src = stats.sources.get("draft") if stats is not None else None
+        total = 0.0
+        for j in range(extra):
+            drafted = src.drafted_at[j] if src and len(src.drafted_at) > j else 0
+            accepted = src.accepted_at[j] if src and len(src.accepted_at) > j else 0
+            total += (accepted + PRIOR_WEIGHT * PRIOR_ACCEPT ** (j + 1)) / (drafted + PRIOR_WEIGHT)
+        return total
+
+    def catch_up(self, behind: int, left: int, stats: SeqStats) -> float | None:
+        """Seconds per round charged for reading `behind` tokens beyond a round's usual
+        STEADY_BEHIND: paid once, so spread over the rounds the model would serve in the
+        `left` tokens still to generate (a lagging model comes back when it pays, and a
+        long prompt is read only when enough output is left to earn it back)."""
+        if behind <= STEADY_BEHIND:
+            return 0.0
+        full, steady = self.costs.seconds("draft", behind), self.costs.seconds(
+            "draft", STEADY_BEHIND)
+        if full is None or steady is None:
+            return None
+        per_round = 1 + self._model_survival(stats, 2)
+        return (full - steady) * per_round / max(1, left)
+
+    def extension(self, seq_id: int, survivals: list[float], room: int, stats: SeqStats,
+                  behind: int, overhead: float = 0.0) -> int | None:
+        """Model drafts (0..room) to add after the pending ones for the most tokens per
+        second; None while costs are unmeasured. Starting from nothing pending, the model
+        must beat plain decoding by MARGIN."""
+        base = self.rate(survivals)
+        if base is None or self.rate(survivals, 1, stats, behind) is None:
+            return None
+        best, best_rate = 0, base * (1.0 if survivals else MARGIN)
+        speed = self.state(seq_id).model_speed
+        for extra in range(1, room + 1):
+            r = speed * self.rate(survivals, extra, stats, behind, overhead)
+            if r > best_rate:
+                best, best_rate = extra, r
+        return best
+
+    def explore(self, seq_id: int) -> bool:
+        """Count a round without the model; True every `explore_every` such rounds."""
+        state = self.state(seq_id)
+        state.idle_rounds += 1
+        if state.idle_rounds >= self.config.explore_every:
+            state.idle_rounds = 0
+            return True
+        return False

@@ -1,0 +1,1 @@
+"""Drafters: what proposes draft tokens, each owning its per-sequence state."""

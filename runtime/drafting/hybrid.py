@@ -1,0 +1,138 @@
+"""The hybrid drafter: per sequence and round, the lookup, the draft model, both (a lookup
+prefix extended by the model) or nothing, by expected accepted tokens per second.
+
+    lookup   the lookup drafter proposes (free) up to the slot's lookup cap
+    extend   with P the pending drafts' survivals (lookup, held drafts), the model may
+             add w drafts, w in 0..window, scored by SourceChooser:
+                 (1 + sum P + P_last * sum_j b_j) / (w t_draft + t_main(|P| + w + 1))
+             or replace them (P dropped, w >= 1), whichever promises more; w = 0 with
+             nothing pending is a plain round (re-measured now and then)
+    model    method "draft": the window policy's window, as it decides, no cost gate
+
+It owns every sequence's DraftState and hands each drafter its part; `settle` is the one
+place where verification's outcome reaches the drafters (statistics, calibration, caches).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dspark.runtime.dflash.source import STEADY_BEHIND, SourceChooser
+from dspark.runtime.drafting.base import DraftWork
+from dspark.runtime.drafting.lookup import LookupDrafter
+from dspark.runtime.drafting.model import ModelDrafter
+from dspark.runtime.drafting.state import DraftState, settle
+from dspark.runtime.sequence.request import Sequence
+
+Keep = Callable[[Sequence, int], bool]
+
+
+class HybridDrafter:
+    name = "hybrid"
+
+    def __init__(self, lookup: LookupDrafter, model: ModelDrafter | None,
+                 chooser: SourceChooser):
+        self.lookup = lookup
+        self.model = model
+        self.chooser = chooser
+        self.states: dict[int, DraftState] = {}
+
+    @property
+    def drafters(self) -> list:
+        return [d for d in (self.lookup, self.model) if d is not None]
+
+    def state(self, seq: Sequence) -> DraftState:
+        return self.states.setdefault(seq.id, DraftState())
+
+    def survivals(self, seq: Sequence, count: int | None = None) -> list[float]:
+        st = self.state(seq)
+        n = len(st) if count is None else count
+        return self.chooser.survivals(seq.id, st.sources[:n], st.confidence[:n])
+
+    def propose(self, jobs: list[tuple[Sequence, str, int, int]], keep: Keep) -> list[str]:
+        """jobs: (seq, method, model window, lookup cap); returns the source used per job:
+        plain, lookup, draft or lookup+draft (held drafts count as what proposed them)."""
+        self.lookup.propose([DraftWork(s, self.state(s), len(self.state(s)) + cap)
+                             for s, method, _, cap in jobs if method != "draft" and cap])
+        model_work = []
+        for seq, method, window, _ in jobs:
+            st = self.state(seq)
+            extra = self._extension(seq, window) if method == "hybrid" else window
+            if method == "draft":
+                extra = window - len(st)
+            if extra > 0 and self.model is not None and method != "lookup":
+                model_work.append(DraftWork(seq, st, len(st) + extra, keep))
+        if self.model is not None:
+            self.model.propose(model_work)
+        return [self._used(self.state(seq)) for seq, *_ in jobs]
+
+    def _extension(self, seq: Sequence, window: int) -> int:
+        """How many model drafts to add after what is pending (see the module doc); drops
+        the pending drafts when the model alone promises more."""
+        pending = self.survivals(seq)
+        if self.model is None or window <= 0:
+            return 0
+        # The model's catch-up beyond a round's usual one or two tokens (a prompt it never
+        # read, lookup rounds it sat out) is paid once: charged per round, spread over
+        # the output left (SourceChooser.catch_up), not all to this round.
+        lag = len(seq.tokens) - min(self.model.cached(seq), len(seq.tokens))
+        left = seq.request.max_tokens - len(seq.generated)
+        overhead = self.chooser.catch_up(lag, left, seq.stats)
+        if overhead is None:
+            return 0 if pending else window
+        behind = min(STEADY_BEHIND, lag)
+        choose = self.chooser
+        keep = choose.extension(seq.id, pending, window - len(pending), seq.stats,
+                                behind + len(pending), overhead)
+        if keep is None:  # costs unmeasured: the policy's window where nothing is pending
+            return 0 if pending else window
+        chosen = (pending, keep, behind + len(pending))
+        if pending:
+            alone = choose.extension(seq.id, [], window, seq.stats, behind, overhead)
+            if alone and choose.rate([], alone, seq.stats, behind, overhead) > choose.rate(
+                    pending, keep, seq.stats, behind + len(pending), overhead):
+                self._drop_pending(seq)
+                chosen = ([], alone, behind)
+        elif not keep and choose.explore(seq.id):
+            chosen = ([], 1, behind)
+        survivals, extra, read = chosen
+        if extra and lag <= STEADY_BEHIND:  # a round with a long catch-up says little
+            choose.expect(seq.id, choose.rate(survivals, extra, seq.stats, read))
+        return extra
+
+    def _drop_pending(self, seq: Sequence) -> None:
+        self.state(seq).clear()
+        for drafter in self.drafters:
+            drafter.trim(seq, len(seq.tokens))
+
+    @staticmethod
+    def _used(st: DraftState) -> str:
+        used = sorted(set(st.sources))
+        return "+".join(used) if used else "plain"
+
+    def settle(self, seq: Sequence, old_len: int, verified: int, accepted: int,
+               main_token: int, seconds: float) -> None:
+        """Verification's outcome: statistics per source, calibration, drafters' caches.
+        `old_len`: the sequence's length before this round's tokens were appended;
+        `seconds`: the round's drafting and verify time."""
+        self.chooser.observe_round(seq.id, accepted + 1, seconds)
+        st = self.state(seq)
+        sources = st.sources[:verified]
+        survivals = self.survivals(seq, verified)
+        seq.stats.record_sources(sources, accepted)
+        lead = next((i for i, s in enumerate(sources) if s != "lookup"), len(sources))
+        if lead:
+            self.lookup.observe(seq, lead, min(accepted, lead))
+        for source in set(sources):
+            mine = [i for i, s in enumerate(sources) if s == source]
+            self.chooser.observe(seq.id, source, sum(survivals[i] for i in mine),
+                                 sum(i < accepted for i in mine))
+        valid = old_len + settle(st, verified, accepted, main_token)
+        for drafter in self.drafters:
+            drafter.trim(seq, valid)
+
+    def release(self, seq: Sequence) -> None:
+        self.states.pop(seq.id, None)
+        self.chooser.forget(seq.id)
+        for drafter in self.drafters:
+            drafter.release(seq)

@@ -1,0 +1,136 @@
+"""The lookup drafter: proposes what followed earlier occurrences of the sequence's last
+tokens in its own prompt + output, and (optionally) in its tenant's recent requests. No
+forward pass: its proposals go straight to verification.
+
+How far to trust a proposal is learned from verification: the first token's acceptance
+by match length n (replaying SmolLM2's greedy outputs: 15% after a 1-token match, 39%
+after 2, ~70% after 3 or more), and the chance each next token holds once the previous
+did (~85%). A step's confidence is that rate times the step's agreement among the
+matched occurrences. It drafts until the proposal's estimated survival (the product of
+step confidences) drops below `min_survival`; how many of those drafts are verified is
+decided with the others' (the round's slot selection weighs each by its survival against
+the verify's cost).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from dspark.runtime.bundle.config import LookupConfig
+from dspark.runtime.drafting.base import DraftWork
+from dspark.runtime.drafting.ngram_index import NgramIndex
+from dspark.runtime.sequence.request import Sequence
+
+SOURCE = "lookup"
+FIRST_PRIOR = {1: 0.15, 2: 0.4, 3: 0.65}  # n >= 4: LONG_PRIOR
+LONG_PRIOR = 0.75
+NEXT_PRIOR = 0.85
+PRIOR_WEIGHT = 20.0  # observations the priors are worth
+
+
+class MatchStats:
+    """What verification taught about lookup proposals (engine-wide)."""
+
+    def __init__(self, max_n: int):
+        self.first = {n: [0, 0] for n in range(1, max_n + 1)}  # n -> [accepted, verified]
+        self.next = [0, 0]  # a later token held, given the one before it did
+
+    def first_rate(self, n: int) -> float:
+        acc, tries = self.first.get(n, (0, 0))
+        return (acc + PRIOR_WEIGHT * FIRST_PRIOR.get(n, LONG_PRIOR)) / (tries + PRIOR_WEIGHT)
+
+    def next_rate(self) -> float:
+        acc, tries = self.next
+        return (acc + PRIOR_WEIGHT * NEXT_PRIOR) / (tries + PRIOR_WEIGHT)
+
+    def observe(self, n: int, verified: int, accepted: int) -> None:
+        """A proposal (match length n) had `verified` tokens checked, `accepted` held."""
+        if n not in self.first or not verified:
+            return
+        self.first[n][0] += accepted > 0
+        self.first[n][1] += 1
+        tried = min(accepted, verified - 1)  # later tokens whose predecessor held
+        self.next[0] += max(0, accepted - 1)
+        self.next[1] += tried
+
+
+class TenantCorpus:
+    """The last `size` finished sequences of each tenant, indexed (LRU by tenant)."""
+
+    def __init__(self, size: int, tenants: int = 64):
+        self.size, self.tenants = size, tenants
+        self.corpora: OrderedDict[str, list[NgramIndex]] = OrderedDict()
+
+    def add(self, tenant: str, index: NgramIndex) -> None:
+        if self.size == 0:
+            return
+        corpus = self.corpora.setdefault(tenant, [])
+        self.corpora.move_to_end(tenant)
+        corpus.append(index)
+        del corpus[:-self.size]
+        while len(self.corpora) > self.tenants:
+            self.corpora.popitem(last=False)
+
+    def walk(self, tenant: str, tail: list[int], k: int) -> tuple[int, list[int], list[float]]:
+        for index in reversed(self.corpora.get(tenant, [])):
+            n, tokens, agree = index.walk(tail, k)
+            if tokens:
+                return n, tokens, agree
+        return 0, [], []
+
+
+class LookupDrafter:
+    name = "lookup"
+
+    def __init__(self, config: LookupConfig):
+        self.config = config
+        self.indexes: dict[int, NgramIndex] = {}
+        self.corpus = TenantCorpus(config.tenant_corpus_size)
+        self.stats = MatchStats(config.max_ngram)
+        self.match_len: dict[int, int] = {}  # seq id -> n of its pending proposal
+
+    def configure(self, config) -> None:
+        self.config = config.drafting.lookup
+
+    def index(self, seq: Sequence) -> NgramIndex:
+        cfg = self.config
+        index = self.indexes.get(seq.id)
+        if index is None:
+            index = self.indexes[seq.id] = NgramIndex(cfg.min_ngram, cfg.max_ngram,
+                                                      cfg.max_occurrences)
+        index.sync(seq.tokens)
+        return index
+
+    def propose(self, work: list[DraftWork]) -> None:
+        for w in work:
+            want = w.window - len(w.state)
+            if want <= 0:
+                continue
+            tail = (w.seq.tokens[-self.config.max_ngram:] + w.state.tokens)[
+                -self.config.max_ngram:]
+            n, tokens, agree = self.index(w.seq).walk(tail, want)
+            if not tokens:
+                n, tokens, agree = self.corpus.walk(w.seq.tenant, tail, want)
+            survival, rate, added = 1.0, self.stats.first_rate(n), 0
+            for token, a in zip(tokens, agree):
+                survival *= rate * a
+                if survival < self.config.min_survival:
+                    break
+                w.state.add(token, SOURCE, None, rate * a)
+                rate, added = self.stats.next_rate(), added + 1
+            if added:
+                self.match_len[w.seq.id] = n
+
+    def observe(self, seq: Sequence, verified: int, accepted: int) -> None:
+        """Verification of the sequence's leading pending lookup drafts."""
+        self.stats.observe(self.match_len.get(seq.id, 0), verified, accepted)
+
+    def trim(self, seq: Sequence, valid: int) -> None:
+        pass  # the index covers accepted tokens only, which never roll back
+
+    def release(self, seq: Sequence) -> None:
+        self.match_len.pop(seq.id, None)
+        index = self.indexes.pop(seq.id, None)
+        if index is not None:
+            index.sync(seq.tokens)
+            self.corpus.add(seq.tenant, index)

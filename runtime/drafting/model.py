@@ -1,0 +1,158 @@
+"""The draft-model drafter: every sequence drafts up to its window, all in one forward per
+position.
+
+A sequence's draft input is what the draft model has not seen of `tokens + pending` (its
+catch-up: the prompt, the last round's accepted tokens, held drafts, a lookup prefix), then
+each new draft. Long catch-ups are fed in chunks with no draft that round, like prompts are
+to the main. Per drafted position the draft's confidence is recorded: its top-1 probability
+and the entropy of its renormalised top-3, for the window policies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dspark.runtime.bundle.token_map import TokenMap
+from dspark.runtime.cache.kv_arena import KVArena
+from dspark.runtime.drafting.base import DraftWork
+from dspark.runtime.model.runner import ModelRunner
+from dspark.runtime.sequence.request import Sequence
+from dspark.runtime.sequence.sampling import SamplingParams, probabilities, sample
+
+SOURCE = "draft"
+
+
+def confidence(p: np.ndarray) -> tuple[float, float]:
+    """(top-1 probability, entropy in nats of the renormalised top-3) of a distribution."""
+    top3 = np.partition(p, -3)[-3:]
+    top3 = top3 / top3.sum()
+    top3 = top3[top3 > 0]
+    return float(p.max()), float(-(top3 * np.log(top3)).sum())
+
+
+@dataclass
+class DraftCache:
+    """Where one sequence's draft-model cache stands."""
+
+    role: str
+    cached: int = 0  # tokens of `tokens + pending` the draft model has read
+    offsets: list[int] = field(default_factory=lambda: [0])  # its positions after each
+
+
+class ModelDrafter:
+    name = "draft"
+
+    def __init__(self, runners: dict[str, ModelRunner], arena: KVArena, default: str,
+                 token_maps: dict[str, TokenMap], catch_up: Callable[[], int],
+                 room: Callable[[Sequence], int]):
+        """token_maps: draft role -> its map to main ids (where tokenizers differ);
+        catch_up(): tokens fed per forward while catching up; room(seq): positions the
+        sequence may fill in any pool (its reservation)."""
+        self.runners = runners
+        self.arena = arena
+        self.default = default  # RAS may switch it; sequences follow from their next round
+        self.token_maps = token_maps
+        self.catch_up = catch_up
+        self.room = room
+        self.caches: dict[int, DraftCache] = {}
+
+    def _bind(self, w: DraftWork) -> DraftCache:
+        """The draft this sequence uses this round. On a change its cache starts empty (it
+        catches up in chunks) and pending drafts are dropped; output is unaffected."""
+        role = w.seq.request.draft_model or self.default
+        cache = self.caches.get(w.seq.id)
+        if cache is None or cache.role != role:
+            if cache is not None:
+                self.arena.rollback(w.seq.id, self.runners[cache.role].pool, 0)
+                w.state.clear()
+            cache = self.caches[w.seq.id] = DraftCache(role)
+        return cache
+
+    def propose(self, work: list[DraftWork]) -> None:
+        groups: dict[str, list[DraftWork]] = {}
+        for w in work:
+            groups.setdefault(self._bind(w).role, []).append(w)
+        for role, group in groups.items():
+            self._draft(self.runners[role], group, self.token_maps.get(role))
+
+    def _draft(self, runner: ModelRunner, work: list[DraftWork], tmap: TokenMap | None) -> None:
+        """Draft for every sequence with window > pending, batched per position. With a
+        token map the draft reads main tokens translated to its ids (expansions can run
+        ahead of the main's positions, up to the sequence's room)."""
+        active = [w for w in work if w.window > len(w.state)]
+        while active:
+            chunks, rows, fed, live = [], [], [], []
+            for w in active:
+                cache = self.caches[w.seq.id]
+                behind = w.seq.tokens + w.state.tokens
+                feed = behind[cache.cached:cache.cached + self.catch_up()]
+                pieces = [tmap.pieces(t) for t in feed] if tmap else [[t] for t in feed]
+                width = sum(len(p) for p in pieces)
+                if cache.offsets[-1] + width > self.room(w.seq):
+                    w.window = len(w.state)  # no room left for the draft: no more drafts
+                    continue
+                chunks.append((w.seq.id, cache.offsets[-1], [d for p in pieces for d in p]))
+                rows.append(1 if cache.cached + len(feed) == len(behind) else 0)
+                fed.append(pieces)
+                live.append(w)
+            if not live:
+                return
+            logits = runner.forward(chunks, rows)
+            for w, pieces, out, row in zip(live, fed, logits, rows):
+                cache = self.caches[w.seq.id]
+                for p in pieces:
+                    cache.offsets.append(cache.offsets[-1] + len(p))
+                cache.cached += len(pieces)
+                if not row or not draw(w, out[-1], tmap):
+                    w.window = len(w.state)  # catching up, or an unmapped token: stop
+            active = [w for w in live if w.window > len(w.state)
+                      and (w.keep is None or w.keep(w.seq, len(w.state)))]
+
+    def cached(self, seq: Sequence) -> int:
+        """Tokens of `tokens + pending` the sequence's draft cache holds (0: none yet)."""
+        cache = self.caches.get(seq.id)
+        return cache.cached if cache is not None and cache.role == (
+            seq.request.draft_model or self.default) else 0
+
+    def trim(self, seq: Sequence, valid: int) -> None:
+        """`tokens + pending` is unchanged through position `valid`: roll the cache back."""
+        cache = self.caches.get(seq.id)
+        if cache is None or cache.cached <= valid:
+            return
+        cache.cached = valid
+        del cache.offsets[valid + 1:]
+        self.arena.rollback(seq.id, self.runners[cache.role].pool, cache.offsets[-1])
+
+    def release(self, seq: Sequence) -> None:
+        self.caches.pop(seq.id, None)
+
+
+def draw(w: DraftWork, logits: np.ndarray, tmap: TokenMap | None) -> bool:
+    """Append one draft token (greedy, or sampled from the processed q) as a main id;
+    False when the draft's token has no main equivalent (the window ends)."""
+    seq, params = w.seq, w.seq.request.sampling
+    if params.greedy:
+        token = int(logits.argmax())
+        q = probabilities(logits, SamplingParams(temperature=1.0))
+    else:
+        q = probabilities(logits, params)
+        if tmap is not None:  # propose only mapped tokens: sample from q restricted to them
+            mapped = np.where(tmap.draft_to_main >= 0, q, 0.0)
+            if mapped.sum() <= 0:
+                return False
+            token = sample(mapped / mapped.sum(), seq.rng)
+        else:
+            token = sample(q, seq.rng)
+    if tmap is not None:
+        token = int(tmap.draft_to_main[token])
+        if token < 0:
+            return False
+    top1, entropy = confidence(q)
+    proposal = None
+    if not params.greedy:
+        proposal = tmap.main_probabilities(q)[0] if tmap is not None else q
+    w.state.add(token, SOURCE, proposal, top1, entropy)
+    return True

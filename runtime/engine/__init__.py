@@ -1,0 +1,1 @@
+"""The decoding loop: scheduler, round plan, acceptance, engine and its loader."""

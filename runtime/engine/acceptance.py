@@ -1,0 +1,56 @@
+"""Speculative acceptance: one pure function per mode, returning tokens and statistics.
+
+The draft proposed d_1..d_w; the main model scored the window, giving for each position i
+(1..w+1) the distribution p_i of the token after the prefix ending at d_{i-1}.
+
+Greedy: accept the longest prefix with d_i == argmax p_i, then append argmax p_{n+1}: the
+main model's own next token. Output equals plain greedy decoding token for token.
+
+Sampling (Leviathan et al. 2023, Chen et al. 2023): the draft sampled d_i ~ q_i.
+    accept d_i with probability min(1, p_i(d_i) / q_i(d_i));
+    at the first rejection, emit t ~ norm(max(0, p_i - q_i)) and stop;
+    if all w are accepted, emit a bonus t ~ p_{w+1}.
+For every position the emitted token is distributed exactly as p_i: the accepted mass
+sum_x min(p, q) plus the residual max(0, p - q) add up to p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dspark.runtime.sequence.sampling import sample
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    tokens: list[int]  # accepted draft tokens, then the main model's token
+    accepted: int  # how many draft tokens were accepted (0..w)
+    drafted: int  # w
+
+    @property
+    def rejected(self) -> int:
+        return self.drafted - self.accepted
+
+
+def accept_greedy(drafts: list[int], main_logits: np.ndarray) -> Acceptance:
+    """main_logits: [w+1, vocab] for positions d_1..d_w and the bonus."""
+    targets = main_logits.argmax(axis=-1)
+    n = 0
+    while n < len(drafts) and drafts[n] == targets[n]:
+        n += 1
+    return Acceptance(drafts[:n] + [int(targets[n])], n, len(drafts))
+
+
+def accept_sampled(drafts: list[int], q: np.ndarray, p: np.ndarray,
+                   rng: np.random.Generator) -> Acceptance:
+    """q: [w, vocab] draft probabilities, p: [w+1, vocab] main probabilities (processed)."""
+    for i, d in enumerate(drafts):
+        if rng.random() * q[i, d] < p[i, d]:  # u < p/q without dividing by a zero q
+            continue
+        residual = np.maximum(p[i] - q[i], 0.0)
+        total = residual.sum()
+        token = sample(residual / total if total > 0 else p[i], rng)
+        return Acceptance(drafts[:i] + [token], i, len(drafts))
+    return Acceptance(list(drafts) + [sample(p[len(drafts)], rng)], len(drafts), len(drafts))

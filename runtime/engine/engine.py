@@ -1,0 +1,269 @@
+"""The engine: continuous batching with speculative decoding, one batch per step.
+
+    step: plan (scheduler: who runs, prompt chunks; planner: method and windows)
+          -> propose (drafters fill each sequence's pending drafts)
+          -> balance (how many drafts the verify checks) -> verify w+1 in one main forward
+          -> accept (pure function) -> commit (main and draft caches) -> emit -> retire
+Prefill is not a separate phase: prompt chunks ride in the verify forward with everyone's
+drafts; the draft model catches up in its first forward of a later round. Maintenance
+(config reload, cache health, resources) runs between steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from dspark.runtime.bundle.bundle import Bundle
+from dspark.runtime.bundle.config import DFlashConfig
+from dspark.runtime.bundle.memory_plan import MemoryPlan
+from dspark.runtime.cache.kv_arena import KVArena
+from dspark.runtime.dflash.che import CacheHealth
+from dspark.runtime.dflash.ras import ResourceManager, probe_device
+from dspark.runtime.dflash.reload import ConfigWatcher
+from dspark.runtime.dflash.source import SourceChooser
+from dspark.runtime.dflash.vlb import VerifyBalancer
+from dspark.runtime.drafting.hybrid import HybridDrafter
+from dspark.runtime.drafting.lookup import LookupDrafter
+from dspark.runtime.drafting.model import ModelDrafter
+from dspark.runtime.drafting.state import DraftState
+from dspark.runtime.engine.acceptance import Acceptance, accept_greedy, accept_sampled
+from dspark.runtime.engine.emit import emit
+from dspark.runtime.engine.planner import WindowPlanner
+from dspark.runtime.engine.round_plan import RoundPlan, Slot
+from dspark.runtime.engine.scheduler import Scheduler
+from dspark.runtime.model.costs import CostModel
+from dspark.runtime.model.device import resolve_device
+from dspark.runtime.model.profile import warmup
+from dspark.runtime.model.runner import ModelRunner
+from dspark.runtime.sequence.request import GenerationRequest, Sequence
+from dspark.runtime.sequence.sampling import probabilities
+from dspark.runtime.sequence.validate import Limits, validate
+
+
+class Engine:
+    def __init__(self, bundle: Bundle, policy: str | None = None, window: int | None = None,
+                 max_batch: int = 16, eos_ids: tuple[int, ...] = (),
+                 decode: Callable[[list[int]], str] | None = None,
+                 prefill_tokens: int | None = None,
+                 config: DFlashConfig | None = None, device: str = "auto",
+                 kernels: bool = False):
+        """device: auto, cpu or cuda (model/device.py). kernels: on the CPU, run the DSpark
+        Triton kernels under Triton's interpreter instead of the numpy attention (tests)."""
+        self.bundle = bundle
+        self.config: DFlashConfig = config or bundle.config
+        self.costs = CostModel()
+        self.device = resolve_device(device)
+        self.arena = KVArena(bundle.plan, device=self.device)
+        self.arena.zero_rejected = self.config.cache_health.zero_rejected_slots
+        self.main = ModelRunner(bundle, "main", self.arena, self.costs, kernels=kernels)
+        self.draft_models = {r: ModelRunner(bundle, r, self.arena, self.costs, kernels=kernels)
+                             for r in bundle.draft_models}
+        self.resources = ResourceManager(self.config.resources, probe_device(self.device),
+                                         bundle.draft_models)
+        self.vocab_size = bundle.model("main").vocab_size
+        self.balancer = VerifyBalancer(self.config.verify_balance, self.costs)
+        self.scheduler = Scheduler(bundle.plan, self.config, max_batch, prefill_tokens)
+        self.planner = WindowPlanner(self.config, self.costs, self.resources, self.balancer,
+                                     bool(self.draft_models), policy or (
+                                         "fixed" if window else None), window)
+        self.drafting = HybridDrafter(LookupDrafter(self.config.drafting.lookup),
+                                      self._model_drafter(bundle),
+                                      SourceChooser(self.config.drafting, self.costs))
+        self.keep = self.planner.keep_drafting(self.drafting)
+        self.eos_ids = frozenset(eos_ids)
+        self.decode = decode
+        self.ids = itertools.count()
+        self.health = CacheHealth(self.arena, self.config.cache_health)
+        self.watcher: ConfigWatcher | None = None
+        self.round_log: list[tuple] = []  # (tenant, window, drafted, accepted, sources)
+        self.method_log: list[tuple[str, str]] = []  # this step's (tenant, source) per round
+        self.last_verify_ms: float | None = None
+
+    def _model_drafter(self, bundle: Bundle) -> ModelDrafter | None:
+        if not self.draft_models:
+            return None
+        maps = {"draft": bundle.token_map} if bundle.token_map is not None else {}
+        return ModelDrafter(self.draft_models, self.arena, self.resources.draft, maps,
+                            lambda: self.scheduler.prefill_tokens, self._room)
+
+    def _room(self, seq: Sequence) -> int:
+        """Positions a sequence may fill in any pool: its reservation, the max length."""
+        reserved = self.scheduler.reserved.get(seq.id, 0) * self.plan.block_size
+        return min(reserved, self.plan.max_seq_len)
+
+    @property
+    def plan(self) -> MemoryPlan:
+        return self.scheduler.plan
+
+    @property
+    def draft_model(self) -> ModelRunner | None:
+        """The draft model sequences use by default (RAS may switch it)."""
+        model = self.drafting.model
+        return self.draft_models[model.default] if model is not None else None
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.vocab_size, self.plan.max_seq_len, tuple(sorted(self.draft_models)))
+
+    def watch_config(self, path) -> None:
+        """Hot-reload `path` (the bundle's dflash_config.json or --config) between steps."""
+        self.watcher = ConfigWatcher(path, self.config)
+
+    def apply_config(self, config: DFlashConfig) -> None:
+        """Swap in a validated config; called between steps only."""
+        self.config = config
+        self.arena.zero_rejected = config.cache_health.zero_rejected_slots
+        for part in (self.scheduler, self.planner, self.balancer, self.health, self.resources,
+                     self.drafting.lookup, self.drafting.chooser):
+            part.configure(config)
+
+    # -- the loop ---------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """One engine step; returns the sequences it advanced (finished ones included)."""
+        self.maintain()
+        self.round_log, self.method_log, self.last_verify_ms = [], [], None
+        for seq in self.scheduler.admit():
+            self.arena.add_sequence(seq.id)
+        plan = self.planner.plan(self.scheduler.plan_step())
+        if plan:
+            t0 = time.perf_counter()
+            plan = self.planner.balance(self._propose(plan), self.drafting)
+            logits = self._verify(plan)
+            seconds = time.perf_counter() - t0
+            for slot, rows in zip(plan, logits):
+                self._advance(slot, rows, seconds)
+            self._retire(plan)
+        return plan.seqs
+
+    def maintain(self) -> None:
+        """Between steps: config reload, cache health, resources (nothing reads the arena)."""
+        if self.watcher is not None and (config := self.watcher.poll()) is not None:
+            self.apply_config(config)
+        self.health.maybe_run()
+        usage = self.arena.used_blocks / self.plan.num_blocks
+        if self.resources.tick(time.perf_counter(), usage):
+            self.arena.delta_log = not self.resources.degraded
+            if self.drafting.model is not None:  # sequences follow from their next round
+                self.drafting.model.default = self.resources.draft
+
+    def _propose(self, plan: RoundPlan) -> RoundPlan:
+        jobs = [s for s in plan if s.method != "plain"]
+        used = self.drafting.propose([(s.seq, s.method, s.window, s.lookup) for s in jobs],
+                                     self.keep)
+        sources = {s.seq.id: u for s, u in zip(jobs, used)}
+        return plan.with_slots(s.but(source=sources.get(s.seq.id, "plain")) for s in plan)
+
+    def _verify(self, plan: RoundPlan) -> list[np.ndarray]:
+        """One main forward: prompt chunks, uncached tokens and the verified drafts."""
+        chunks, rows = [], []
+        for s in plan:
+            seq = s.seq
+            feed = seq.tokens[seq.main_cached:seq.main_cached + s.chunk]
+            drafts = self.drafting.state(seq).tokens[:s.verify] if s.finishes_prompt else []
+            chunks.append((seq.id, seq.main_cached, feed + drafts))
+            rows.append(s.verify + 1 if s.finishes_prompt else 0)
+        self.health.observe_batch([s.seq.id for s in plan])
+        t0 = time.perf_counter()
+        logits = self.main.forward(chunks, rows)
+        elapsed = time.perf_counter() - t0
+        self.balancer.observe(sum(len(c[2]) for c in chunks), elapsed)
+        self.last_verify_ms = 1000 * elapsed
+        return logits
+
+    def _advance(self, slot: Slot, logits: np.ndarray, seconds: float) -> None:
+        seq = slot.seq
+        self.scheduler.account(seq, slot.chunk + slot.verify)
+        if not len(logits):  # a prompt chunk: the cache grew, nothing to emit yet
+            seq.main_cached += slot.chunk
+            return
+        pending = self.drafting.state(seq)
+        sources = tuple(pending.sources[:slot.verify])
+        result = _accept(seq, pending, slot.verify, logits)
+        seq.stats.draft_top1, seq.stats.draft_entropy = pending.confidence[:], pending.entropy[:]
+        seq.stats.record(result.drafted, result.accepted)
+        if seq.request.speculative:
+            seq.stats.record_method(slot.source)
+            self.round_log.append((seq.tenant, len(pending), result.drafted, result.accepted,
+                                   sources))
+            self.method_log.append((seq.tenant, slot.source))
+        if result.drafted:
+            self.balancer.observe_round(result.accepted > 0)
+        self._commit(seq, slot, result, seconds)
+        self.planner.observe(seq)
+        emit(seq, result.tokens, self.eos_ids, self.decode, self.scheduler.steps)
+
+    def _commit(self, seq: Sequence, slot: Slot, result: Acceptance, seconds: float) -> None:
+        """Keep in every cache exactly what verification accepted.
+
+        The verify forward appended the sequence's uncached token(s) and `slot.verify`
+        drafts to the main cache; the main model keeps the old tokens and the accepted
+        drafts (its own next token is fed next round), so it rolls back to that length.
+        The drafters' caches cover `tokens + pending`; `settle` says through which
+        position that stream is unchanged and each drafter forgets what lies beyond."""
+        old = len(seq.tokens)
+        seq.main_cached = old + result.accepted
+        self.arena.rollback(seq.id, "main", seq.main_cached)
+        self.drafting.settle(seq, old, slot.verify, result.accepted, result.tokens[-1],
+                             seconds)
+
+    def _retire(self, plan: RoundPlan) -> None:
+        for seq in plan.seqs:
+            if seq.done:
+                self.scheduler.finish(seq)
+                self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.id in self.arena.tables:
+            self.arena.release(seq.id)
+            self.planner.forget(seq)
+            self.drafting.release(seq)
+
+    # -- requests and operations ------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> Sequence:
+        validate(request, self.limits)
+        seq = Sequence(next(self.ids), request)
+        self.scheduler.submit(seq)
+        return seq
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Sequence]:
+        seqs = [self.submit(r) for r in requests]
+        while self.busy:
+            self.step()
+        return seqs
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.pending)
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop a sequence (client gone); its blocks are freed."""
+        seq.finish_reason = seq.finish_reason or "cancelled"
+        self.scheduler.cancel(seq)
+        self._release(seq)
+
+    def resize(self, max_seq_len: int) -> MemoryPlan:
+        return self.scheduler.resize(max_seq_len, self.arena)
+
+    def warmup(self, main_sizes=(1, 2, 4, 8, 16, 32, 64), draft_sizes=(1, 2, 4, 8, 16)) -> dict:
+        """Profile every model (model/profile.py): the cost table the policies read."""
+        limit = self.plan.max_seq_len
+        return warmup(self.arena, self.costs,
+                      {"main": [self.main], "draft": list(self.draft_models.values())},
+                      {"main": [t for t in main_sizes if t < limit],
+                       "draft": [t for t in draft_sizes if t < limit]})
+
+    def set_policy(self, name: str, window: int | None = None, device_cap: bool = True) -> None:
+        self.planner.set_policy(name, window, device_cap)
+
+
+def _accept(seq: Sequence, pending: DraftState, k: int, logits: np.ndarray) -> Acceptance:
+    """Greedy: exact match; sampling: rejection sampling against the drafts' proposals q."""
+    params = seq.request.sampling
+    if params.greedy:
+        return accept_greedy(pending.tokens[:k], logits)
+    return accept_sampled(pending.tokens[:k], pending.q_matrix(k, logits.shape[-1]),
+                          probabilities(logits, params), seq.rng)

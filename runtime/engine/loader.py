@@ -1,0 +1,30 @@
+"""Bundle path -> a ready engine and its tokenizer (what every dsrun command starts with)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dspark.runtime.bundle.bundle import open_bundle
+from dspark.runtime.bundle.config import CONFIG_FILE
+from dspark.runtime.bundle.tokenizer import BundleTokenizer, load_tokenizer
+from dspark.runtime.engine.engine import Engine
+from dspark.runtime.model.sessions import init_threads
+
+
+def load_engine(model: Path, window: int | None = None, max_batch: int = 16,
+                policy: str | None = None, config: Path | None = None, warmup: bool = True,
+                device: str = "auto") -> tuple[Engine, BundleTokenizer | None]:
+    """`window` alone means the fixed policy at that window; `policy` picks one by name.
+    `config` replaces the bundle's dflash_config.json; either is hot-reloaded. `device`:
+    auto, cpu or cuda."""
+    init_threads()
+    bundle = open_bundle(model, config_path=config)
+    tokenizer = load_tokenizer(bundle.tokenizer_dir)
+    policy = policy or ("fixed" if window else None)
+    engine = Engine(bundle, policy, window, max_batch,
+                    eos_ids=tuple(sorted(tokenizer.eos_ids)) if tokenizer else (),
+                    decode=tokenizer.decode if tokenizer else None, device=device)
+    engine.watch_config(config or bundle.path(CONFIG_FILE))
+    if warmup:
+        engine.warmup()
+    return engine, tokenizer

@@ -1,0 +1,145 @@
+"""Per round, each slot's drafting method and windows, then how many drafts are verified.
+
+    plan      method (request, else config; hybrid means lookup on a draftless bundle),
+              model window = the tenant's window policy within every cap, lowered by VLB's
+              batch cap; lookup cap = the lookup's max within the request/tenant caps
+    balance   VLB's fast + steady lanes; then, where the policy models survival (goodput) or
+              a lookup proposed, the slots across the batch that maximise expected tokens
+              per second of the verify (select_slots)
+Policies are reached only through the WindowPolicy protocol.
+"""
+
+from __future__ import annotations
+
+from dspark.runtime.bundle.config import DFlashConfig
+from dspark.runtime.dflash.goodput import select_slots
+from dspark.runtime.dflash.policy import RoundView, WindowPolicy, make_policy
+from dspark.runtime.dflash.ras import ResourceManager
+from dspark.runtime.dflash.vlb import VerifyBalancer
+from dspark.runtime.drafting.hybrid import HybridDrafter
+from dspark.runtime.engine.round_plan import RoundPlan, Slot
+from dspark.runtime.model.costs import CostModel
+from dspark.runtime.sequence.request import Sequence
+
+NO_CAP = 64
+
+
+class WindowPlanner:
+    def __init__(self, config: DFlashConfig, costs: CostModel, resources: ResourceManager,
+                 balancer: VerifyBalancer, has_model: bool, policy: str | None = None,
+                 window: int | None = None):
+        self.config = config
+        self.costs = costs
+        self.resources = resources
+        self.balancer = balancer
+        self.has_model = has_model
+        self.policies: dict[str, WindowPolicy] = {}
+        self.set_policy(policy or config.window.policy, window)
+
+    def configure(self, config: DFlashConfig) -> None:
+        self.config = config
+        for policy in self.policies.values():
+            if hasattr(policy, "config"):
+                policy.config = config.window
+
+    def set_policy(self, name: str, window: int | None = None, device_cap: bool = True) -> None:
+        """Use another window policy for new rounds (per-tenant state starts afresh).
+        device_cap=False lifts RAS's device window cap (a benchmark measuring fixed windows
+        beyond it); the config's and the request's caps still apply."""
+        make_policy(name, window=window or 1)  # an unknown name fails here, listing the known
+        self.policy_name, self.fixed_window = name, window or self.config.window.initial
+        self.policies = {}
+        self.device_cap = device_cap
+
+    def policy(self, tenant: str) -> WindowPolicy:
+        if tenant not in self.policies:
+            self.policies[tenant] = make_policy(self.policy_name, window=self.fixed_window,
+                                                start=self.resources.row.window,
+                                                config=self.config.window, costs=self.costs)
+        return self.policies[tenant]
+
+    def _caps(self, seq: Sequence) -> tuple[int, int]:
+        """(tenant's cap, left for the request: its own cap and its remaining tokens)."""
+        tenant = next((t.max_window for t in self.config.tenants if t.name == seq.tenant),
+                      self.config.window.max_window)
+        req = seq.request
+        left = min(req.max_window or NO_CAP, req.max_tokens - len(seq.generated) - 1)
+        return tenant, left
+
+    def cap(self, seq: Sequence) -> int:
+        """The model window's cap: config, tenant, request, device (RAS), tokens left."""
+        tenant, left = self._caps(seq)
+        device = self.resources.window_cap if self.device_cap else NO_CAP
+        return max(0, min(self.config.window.max_window, tenant, left, device))
+
+    def lookup_cap(self, seq: Sequence) -> int:
+        tenant, left = self._caps(seq)
+        return max(0, min(self.config.drafting.lookup.max_tokens, tenant, left))
+
+    def view(self, seq: Sequence) -> RoundView:
+        return RoundView(seq.id, seq.tenant, seq.prompt_len, len(seq.generated), seq.stats,
+                         self.cap(seq))
+
+    def method(self, seq: Sequence) -> str:
+        """The request's method; else the draft model it names; else the config's."""
+        req = seq.request
+        method = req.method or ("draft" if req.draft_model else self.config.drafting.method)
+        if method == "auto":
+            method = self.resources.row.method
+        return "lookup" if method == "hybrid" and not self.has_model else method
+
+    def plan(self, plan: RoundPlan) -> RoundPlan:
+        drafting = [s for s in plan if not s.seq.prefilling and s.seq.request.speculative]
+        for policy in self.policies.values():
+            policy.begin_round(len(drafting))
+        slots = {}
+        for s in drafting:
+            method = self.method(s.seq)
+            window = 0
+            if method != "lookup":
+                window = min(self.cap(s.seq), self.policy(s.seq.tenant).window(self.view(s.seq)))
+            lookup = self.lookup_cap(s.seq) if method != "draft" else 0
+            slots[s.seq.id] = s.but(method=method, window=window, lookup=lookup)
+        cap = self.balancer.batch_cap(len(drafting), max((s.window for s in slots.values()),
+                                                         default=0))
+        return plan.with_slots(
+            slots[s.seq.id].but(window=min(cap, slots[s.seq.id].window))
+            if s.seq.id in slots else s for s in plan)
+
+    def keep_drafting(self, drafting: HybridDrafter):
+        """The policy's per-token rule for the model drafter, fed the pending confidences."""
+        def keep(seq: Sequence, drafted: int) -> bool:
+            seq.stats.draft_top1 = list(drafting.state(seq).confidence)
+            return self.policy(seq.tenant).keep_drafting(self.view(seq), drafted)
+        return keep
+
+    def balance(self, plan: RoundPlan, drafting: HybridDrafter) -> RoundPlan:
+        """How many pending drafts each slot verifies."""
+        slots = [s.but(verify=self.balancer.admit(
+            min(len(drafting.state(s.seq)), max(s.window, s.lookup)))) for s in plan]
+        chosen = [i for i, s in enumerate(slots) if s.verify and self._selects(s, drafting)]
+        if chosen:
+            survival = [self._survival(slots[i], drafting) for i in chosen]
+            keep = select_slots(survival, sum(s.chunk for s in slots), self.costs)
+            for i, k in zip(chosen, keep):
+                slots[i] = slots[i].but(verify=k)
+        return plan.with_slots(slots)
+
+    def _selects(self, slot: Slot, drafting: HybridDrafter) -> bool:
+        sources = drafting.state(slot.seq).sources[:slot.verify]
+        return "lookup" in sources or self.policy(slot.seq.tenant).survival(
+            self.view(slot.seq), 1) is not None
+
+    def _survival(self, slot: Slot, drafting: HybridDrafter) -> list[float]:
+        seq, state = slot.seq, drafting.state(slot.seq)
+        policy, view = self.policy(seq.tenant), self.view(seq)
+        if "lookup" not in state.sources[:slot.verify]:
+            seq.stats.draft_top1 = list(state.confidence)
+            return [policy.survival(view, j) for j in range(1, slot.verify + 1)]
+        return drafting.survivals(seq, slot.verify)
+
+    def observe(self, seq: Sequence) -> None:
+        self.policy(seq.tenant).observe(self.view(seq))
+
+    def forget(self, seq: Sequence) -> None:
+        self.policy(seq.tenant).forget(seq.id)

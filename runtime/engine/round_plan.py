@@ -1,0 +1,55 @@
+"""What one engine step does, per sequence: an immutable plan the stages fill in turn.
+
+    scheduler    which sequences run, and each one's prompt chunk (uncached tokens fed)
+    planner      the drafting method and windows (window policy, caps, VLB's batch cap)
+    drafting     which source actually proposed (plain, lookup, draft, lookup+draft)
+    balancer     how many pending drafts the verify forward checks (VLB, slot selection)
+Each stage returns a new plan (`with_slots`); nothing per-round is kept on the Sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from dspark.runtime.sequence.request import Sequence
+
+
+@dataclass(frozen=True)
+class Slot:
+    seq: Sequence
+    chunk: int  # uncached tokens fed to the main model this round
+    method: str = "plain"  # hybrid, lookup, draft, or plain
+    window: int = 0  # model drafts wanted in the pending buffer
+    lookup: int = 0  # lookup drafts wanted
+    source: str = "plain"  # what proposed this round's pending drafts
+    verify: int = 0  # pending drafts the verify forward checks
+
+    @property
+    def finishes_prompt(self) -> bool:
+        """Does this round's chunk reach the sequence's end (so drafts can follow it)?"""
+        return self.seq.main_cached + self.chunk == len(self.seq.tokens)
+
+    def but(self, **changes) -> Slot:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    slots: tuple[Slot, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.slots)
+
+    def __iter__(self):
+        return iter(self.slots)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def with_slots(self, slots) -> RoundPlan:
+        return RoundPlan(tuple(slots))
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [s.seq for s in self.slots]

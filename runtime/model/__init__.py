@@ -1,0 +1,1 @@
+"""Running a model of the bundle: executors, sessions, batches, attention, costs."""

@@ -1,0 +1,53 @@
+"""Reference SpeculativeVerify on the CPU: torch SDPA over a contiguous cache.
+
+For each sequence in the flattened batch, its new tokens attend over the cached positions
+plus the new tokens before them (causal inside the window):
+
+    cache  [0 ............ start)      new tokens [start .. start+n)
+    query j (position start+j) sees keys 0 .. start+j
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dspark.runtime.bundle.spec import VerifyOp
+from dspark.runtime.model.batch import FlatBatch
+from dspark.runtime.model.contiguous_cache import ContiguousKVCache
+
+
+def causal_window_mask(start: int, n: int) -> torch.Tensor:
+    """[n, start+n] bool, True where query j may attend key i."""
+    keys = torch.arange(start + n)
+    queries = start + torch.arange(n)
+    return keys[None, :] <= queries[:, None]
+
+
+def verify_attention(q: torch.Tensor, cache: ContiguousKVCache, layer: int, batch: FlatBatch,
+                     scale: float) -> torch.Tensor:
+    """q: [heads, T, head_dim] -> [heads, T, head_dim]; the cache already holds the new K/V."""
+    out = torch.empty_like(q)
+    for i in range(batch.num_seqs):
+        a, b = batch.seq_range(i)
+        start = int(batch.starts[i])
+        k, v = cache.read(layer, int(batch.slots[i]), start + b - a)
+        mask = causal_window_mask(start, b - a)
+        out[:, a:b] = F.scaled_dot_product_attention(
+            q[None, :, a:b], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
+        )[0]
+    return out
+
+
+class ReferenceAttention:
+    """The CPU reference backend: append to a contiguous cache, then attend."""
+
+    def __init__(self, cache: ContiguousKVCache):
+        self.cache = cache
+
+    def __call__(self, op: VerifyOp, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                 batch: FlatBatch) -> np.ndarray:
+        self.cache.append(op.layer, torch.from_numpy(k[0]), torch.from_numpy(v[0]), batch)
+        out = verify_attention(torch.from_numpy(q[0]), self.cache, op.layer, batch, op.scale)
+        return out.numpy()[None]

@@ -1,0 +1,55 @@
+"""Measured forward costs, the scheduler's model of the executor's speed.
+
+A forward of T tokens from S sequences costs about t(T) + (S - 1) * s: t(T) the model's
+work (kept per power-of-two bucket of T as an EWMA, interpolated), s the per-sequence
+overhead (the CPU attention is one call per sequence per layer). Every ModelRunner forward
+updates both; a warm-up profile fills the table first.
+"""
+
+from __future__ import annotations
+
+import math
+
+SMOOTHING = 0.2
+
+
+class CostModel:
+    def __init__(self):
+        self.table: dict[str, dict[int, float]] = {"main": {}, "draft": {}}
+        self.per_seq: dict[str, float] = {}
+
+    def reset(self) -> None:
+        """Forget the forward-size table (a new profile follows)."""
+        self.table = {"main": {}, "draft": {}}
+
+    def record(self, role: str, tokens: int, seconds: float, seqs: int = 1) -> None:
+        if tokens < 1 or seconds <= 0:
+            return
+        base = self.seconds(role, tokens)
+        if seqs > 1 and base is not None:
+            residual = max(0.0, (seconds - base) / (seqs - 1))
+            old = self.per_seq.get(role)
+            self.per_seq[role] = residual if old is None else old + SMOOTHING * (residual - old)
+            return
+        bucket = 1 << max(0, math.floor(math.log2(tokens)))
+        per = seconds * bucket / tokens  # cost scaled to the bucket's token count
+        table = self.table.setdefault(role, {})
+        old = table.get(bucket)
+        table[bucket] = per if old is None else old + SMOOTHING * (per - old)
+
+    def seconds(self, role: str, tokens: int, seqs: int = 1) -> float | None:
+        """Estimated forward time (None before any measurement)."""
+        table = self.table.get(role) or {}
+        if not table:
+            return None
+        keys = sorted(table)
+        if tokens <= keys[0]:
+            t = table[keys[0]]
+        elif tokens >= keys[-1]:
+            t = table[keys[-1]] * tokens / keys[-1]
+        else:
+            hi = next(k for k in keys if k >= tokens)
+            lo = max(k for k in keys if k <= tokens)
+            t = table[lo] if hi == lo else table[lo] + (tokens - lo) / (hi - lo) * (
+                table[hi] - table[lo])
+        return t + (seqs - 1) * self.per_seq.get(role, 0.0)

@@ -1,0 +1,62 @@
+"""Runs one compiled model: its onnxruntime segments with SpeculativeVerify ops between them.
+
+    input_ids, position_ids
+      -> segment 0 -> q0 k0 v0 -> SpeculativeVerify(layer 0) -> out0
+      -> segment 1 -> q1 k1 v1 -> SpeculativeVerify(layer 1) -> out1
+      ...
+      -> segment L -> logits [T, vocab]
+The attention backend owns the KV cache; the executor only routes tensors.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Protocol
+
+import numpy as np
+
+from dspark.runtime.bundle.bundle import Bundle
+from dspark.runtime.bundle.spec import INPUT_IDS, LOGITS, LOGITS_INDEX, POSITION_IDS, VerifyOp
+from dspark.runtime.model.batch import FlatBatch
+from dspark.runtime.model.sessions import make_session
+
+_ORT_INT = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, op: VerifyOp, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                 batch: FlatBatch) -> np.ndarray: ...
+
+
+class SegmentedModel:
+    def __init__(self, bundle: Bundle, role: str, attention: AttentionBackend):
+        self.spec = bundle.model(role)
+        self.attention = attention
+        self.sessions = [make_session(bundle.path(s.file)) for s in self.spec.segments]
+        self.ops_after: dict[int, list[VerifyOp]] = defaultdict(list)
+        for op in self.spec.verify_ops:
+            self.ops_after[op.after_segment].append(op)
+        self.steps = [(sess, list(seg.outputs), list(seg.inputs), self.ops_after[seg.index])
+                      for seg, sess in zip(self.spec.segments, self.sessions)]
+        self.input_types = {
+            i.name: _ORT_INT.get(i.type, np.int64) for s in self.sessions for i in s.get_inputs()
+            if i.name in (INPUT_IDS, POSITION_IDS)
+        }
+
+    def forward(self, batch: FlatBatch, rows: np.ndarray | None = None) -> np.ndarray:
+        """Logits [len(rows), vocab] for the chosen token rows of the flattened batch
+        (default: every row). Bundles whose graph takes `logits_index` compute only those."""
+        types = self.input_types
+        env: dict[str, np.ndarray] = {
+            INPUT_IDS: batch.token_ids[None].astype(types.get(INPUT_IDS, np.int64)),
+            POSITION_IDS: batch.positions[None].astype(types.get(POSITION_IDS, np.int64)),
+        }
+        selects = LOGITS_INDEX in self.spec.inputs
+        if selects:
+            env[LOGITS_INDEX] = np.arange(batch.num_tokens) if rows is None else rows
+        for sess, outputs, inputs, ops in self.steps:
+            env.update(zip(outputs, sess.run(outputs, {n: env[n] for n in inputs})))
+            for op in ops:
+                env[op.out] = self.attention(op, env[op.q], env[op.k], env[op.v], batch)
+        logits = env[LOGITS][0]
+        return logits if rows is None or selects else logits[rows]

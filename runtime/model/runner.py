@@ -1,0 +1,71 @@
+"""One model of the bundle over the shared arena: reserve slots, run the flattened batch."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from dspark.kernels.library import KernelLibrary, for_device
+from dspark.runtime.bundle.bundle import Bundle
+from dspark.runtime.cache.kv_arena import KVArena
+from dspark.runtime.env import kernel_cache_dir
+from dspark.runtime.model.batch import FlatBatch, SeqChunk
+from dspark.runtime.model.costs import CostModel
+from dspark.runtime.model.executor import SegmentedModel
+from dspark.runtime.model.kernel_attention import KernelAttention
+from dspark.runtime.model.paged_attention import PagedAttention
+
+
+def kernel_library(bundle: Bundle, role: str, arena: KVArena) -> KernelLibrary:
+    """The DSpark kernels for `role`'s constants on the arena's device: the bundle's cubins
+    when they match this GPU, else JIT (see kernels/library.py; it logs which)."""
+    return for_device(bundle.kernel_spec(role), kernel_cache_dir(), arena.device,
+                      bundle.kernels, bundle.root)
+
+
+class ModelRunner:
+    def __init__(self, bundle: Bundle, role: str, arena: KVArena, costs: CostModel | None = None,
+                 pool: str | None = None, kernels: bool = False):
+        """The arena's device decides the executor: onnxruntime on the CPU with the numpy
+        attention, or the CUDA executor with the DSpark kernels. `kernels` on the CPU runs
+        those kernels under Triton's interpreter instead of the numpy attention (tests)."""
+        self.role = role
+        self.pool = pool or role
+        self.arena = arena
+        self.costs = costs
+        if arena.device.type == "cuda":
+            from dspark.runtime.model.cuda_executor import CudaSegmentedModel
+
+            attention = KernelAttention(arena, self.pool, kernel_library(bundle, role, arena))
+            self.model = CudaSegmentedModel(bundle, role, attention, arena.device)
+        elif kernels:
+            attention = KernelAttention(arena, self.pool, kernel_library(bundle, role, arena))
+            self.model = SegmentedModel(bundle, role, attention)
+        else:
+            self.model = SegmentedModel(bundle, role, PagedAttention(arena, self.pool))
+        self.busy_s = 0.0
+        self.forwards = 0
+        self.tokens = 0
+
+    def forward(self, chunks: list[tuple[int, int, list[int]]], rows: list[int]
+                ) -> list[np.ndarray]:
+        """chunks: (seq_id, start, tokens); returns the last `rows[i]` logits of each (a
+        chunk with 0 rows only fills the cache)."""
+        t0 = time.perf_counter()
+        for seq_id, start, tokens in chunks:
+            self.arena.reserve(seq_id, self.pool, start, len(tokens))
+        batch = FlatBatch.build([SeqChunk(i, s, tuple(t)) for i, s, t in chunks])
+        ends = batch.cu_seqlens[1:]
+        index = np.concatenate([np.arange(e - n, e) for e, n in zip(ends, rows)])
+        logits = self.model.forward(batch, index if len(index) else ends[-1:] - 1)
+        elapsed = time.perf_counter() - t0
+        self.busy_s += elapsed
+        self.forwards += 1
+        self.tokens += batch.num_tokens
+        if self.costs is not None:
+            self.costs.record("main" if self.role == "main" else "draft", batch.num_tokens,
+                              elapsed, batch.num_seqs)
+        if not len(index):
+            return [logits[:0]] * len(chunks)
+        return np.split(logits, np.cumsum(rows)[:-1])

@@ -1,0 +1,1 @@
+"""What a caller asks for (requests, sampling) and the state of one sequence."""

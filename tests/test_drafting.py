@@ -1,0 +1,179 @@
+"""The drafting package: the n-gram index, the lookup drafter, settling pending drafts, and
+the hybrid's choice of source (fake costs stand in for measured ones)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark.runtime.bundle.config import DraftingConfig, LookupConfig
+from dspark.runtime.dflash.source import MARGIN, SourceChooser
+from dspark.runtime.drafting.base import DraftWork
+from dspark.runtime.drafting.hybrid import HybridDrafter
+from dspark.runtime.drafting.lookup import LookupDrafter, MatchStats
+from dspark.runtime.drafting.ngram_index import NgramIndex
+from dspark.runtime.drafting.state import DraftState, settle
+from dspark.runtime.model.costs import CostModel
+from dspark.runtime.sequence.request import GenerationRequest, Sequence
+
+
+def test_index_grows_incrementally_like_a_fresh_one():
+    stream = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
+    grown = NgramIndex(1, 3)
+    for i in range(1, len(stream) + 1):
+        grown.sync(stream[:i])
+    fresh = NgramIndex(1, 3)
+    fresh.extend(stream)
+    assert grown.table == fresh.table and grown.tokens == stream
+
+
+def test_walk_takes_the_longest_match_and_the_majority_continuation():
+    index = NgramIndex(1, 4)
+    index.extend([7, 1, 2, 3, 9, 1, 2, 3, 9, 4, 2, 3, 8])
+    # "2 3" continues with 9, 9, 8: the 3-gram "1 2 3" matched twice, both followed by 9
+    n, tokens, agree = index.walk([5, 1, 2, 3], 3)
+    assert n == 3 and tokens[0] == 9 and agree[0] == 1.0
+    n, tokens, agree = index.walk([2, 3], 1)  # 2-gram: 9, 9, 8 -> 9 with 2/3 agreement
+    assert n == 2 and tokens == [9] and agree == [pytest.approx(2 / 3)]
+    assert index.walk([6, 6], 4) == (0, [], [])  # no occurrence of anything
+
+
+def test_walk_never_proposes_from_the_streams_own_end():
+    index = NgramIndex(1, 2)
+    index.extend([4, 5])
+    assert index.walk([4, 5], 3) == (0, [], [])  # "4 5" occurs only at the end
+    index.extend([4, 5])
+    assert index.walk([4, 5], 3)[1] == [4, 5]  # now its first occurrence continues
+
+
+def test_occurrences_are_bounded():
+    index = NgramIndex(1, 1, max_occurrences=4)
+    index.extend([3] * 100)
+    assert len(index.table[(3,)]) <= 8 and len(index.match([3])[1]) == 4
+
+
+@pytest.mark.parametrize("verified, accepted, main, pending_after, unchanged", [
+    (4, 4, 50, [], 4),            # all accepted, the main token is the bonus
+    (3, 3, 40, [], 4),            # the main token equals the one held draft: all still right
+    (3, 1, 99, [], 1),            # rejected at 2: everything after it is dropped
+    (2, 2, 30, [40], 4),          # held drafts continue: the main token equals the first
+    (2, 2, 77, [], 2),            # held drafts contradicted by the main token
+    (0, 0, 10, [20, 30, 40], 4),  # nothing verified, first held draft confirmed
+])
+def test_settle_keeps_exactly_the_drafts_still_right(verified, accepted, main, pending_after,
+                                                     unchanged):
+    state = DraftState()
+    for t in (10, 20, 30, 40):
+        state.add(t, "lookup")
+    assert settle(state, verified, accepted, main) == unchanged
+    assert state.tokens == pending_after
+
+
+def _seq(ids, seq_id=1, tenant="default", max_tokens=64):
+    return Sequence(seq_id, GenerationRequest(tuple(ids), max_tokens, tenant=tenant))
+
+
+def test_lookup_proposes_from_the_context_and_stops_at_low_survival():
+    drafter = LookupDrafter(LookupConfig(min_survival=0.3))
+    seq = _seq([5, 6, 7, 8, 9, 1, 2, 5, 6, 7])
+    state = DraftState()
+    drafter.propose([DraftWork(seq, state, 8)])
+    # "5 6 7" matched (n=3): 8, 9, 1, 2, 5, ... with survival 0.65, 0.55, 0.47, 0.40, 0.34
+    assert state.tokens == [8, 9, 1, 2, 5] and set(state.sources) == {"lookup"}
+    assert all(q is None for q in state.q)  # deterministic proposals: one-hot q
+    assert state.confidence[0] == pytest.approx(MatchStats(4).first_rate(3))
+
+
+def test_match_stats_learn_from_verification():
+    stats = MatchStats(4)
+    before = stats.first_rate(1), stats.next_rate()
+    for _ in range(50):
+        stats.observe(1, verified=3, accepted=3)
+    assert stats.first_rate(1) > before[0] and stats.next_rate() > before[1]
+    for _ in range(200):
+        stats.observe(1, verified=3, accepted=0)
+    assert stats.first_rate(1) < 0.3
+
+
+def test_tenant_corpus_serves_later_requests_of_the_same_tenant():
+    drafter = LookupDrafter(LookupConfig(tenant_corpus_size=2, min_survival=0.0))
+    done = _seq([1, 2, 3, 4, 5, 6], seq_id=1, tenant="a")
+    drafter.index(done)
+    drafter.release(done)
+    for tenant, want in (("a", [4, 5, 6]), ("b", [])):
+        state = DraftState()
+        drafter.propose([DraftWork(_seq([9, 2, 3], seq_id=2, tenant=tenant), state, 3)])
+        assert state.tokens == want
+
+
+def _costs(main_ms=(30, 32, 34, 36, 38, 40, 42, 44, 46), draft_ms=15.0) -> CostModel:
+    costs = CostModel()
+    for n, ms in enumerate(main_ms, 1):
+        costs.table["main"][n] = ms / 1000
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        costs.table["draft"][n] = (draft_ms + 2.5 * (n - 1)) / 1000
+    return costs
+
+
+class FakeModel:
+    """Stands in for the draft-model drafter: records what it was asked to draft."""
+
+    def __init__(self, cached=0):
+        self.asked, self.cached_len = [], cached
+
+    def cached(self, seq):
+        return self.cached_len
+
+    def propose(self, work):
+        for w in work:
+            self.asked.append(w.window - len(w.state))
+            while len(w.state) < w.window:
+                w.state.add(3, "draft", None, 0.9)
+
+    def trim(self, seq, valid):
+        pass
+
+    def release(self, seq):
+        pass
+
+
+def _hybrid(costs, model=None):
+    return HybridDrafter(LookupDrafter(LookupConfig()), model,
+                         SourceChooser(DraftingConfig(explore_every=1000), costs))
+
+
+def test_hybrid_keeps_plain_when_the_draft_model_does_not_pay():
+    model = FakeModel(cached=10)
+    hybrid = _hybrid(_costs(draft_ms=40.0), model)  # a draft step dearer than a main step
+    seq = _seq(list(range(10, 20)))  # nothing repeats: no lookup proposal
+    assert hybrid.propose([(seq, "hybrid", 4, 8)], keep=lambda s, j: True) == ["plain"]
+    assert model.asked == []
+
+
+def test_hybrid_drafts_with_a_cheap_model_and_prefers_a_strong_lookup():
+    model = FakeModel(cached=10)
+    hybrid = _hybrid(_costs(draft_ms=3.0), model)
+    seq = _seq(list(range(10, 20)))
+    assert hybrid.propose([(seq, "hybrid", 4, 8)], keep=lambda s, j: True) == ["draft"]
+    hybrid.release(seq)
+    repeated = _seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4], seq_id=2)  # a 4-gram match
+    model.cached_len = len(repeated.tokens)
+    used = hybrid.propose([(repeated, "hybrid", 2, 8)], keep=lambda s, j: True)
+    assert used == ["lookup"] and hybrid.state(repeated).tokens[:3] == [5, 6, 7]
+
+
+def test_model_catch_up_is_spread_over_the_output_left():
+    chooser = SourceChooser(DraftingConfig(), _costs())
+    seq = _seq([1, 2, 3])
+    assert chooser.catch_up(2, 100, seq.stats) == 0.0  # a usual round's catch-up is free
+    long_left, short_left = (chooser.catch_up(200, n, seq.stats) for n in (500, 5))
+    assert 0 < long_left < short_left
+
+
+def test_plain_rate_must_be_beaten_by_the_margin():
+    chooser = SourceChooser(DraftingConfig(), _costs())
+    plain = chooser.rate([])
+    assert plain == pytest.approx(1 / 0.030)
+    seq = _seq([1])
+    best = chooser.extension(seq.id, [], 4, seq.stats, behind=1)
+    if best:
+        assert chooser.rate([], best, seq.stats, 1) > MARGIN * plain
