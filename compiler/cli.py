@@ -92,8 +92,8 @@ def inspect_cmd(bundle: Path, as_json: bool) -> None:
 @click.option("--steps", type=click.IntRange(1, 64), default=4, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def verify_cmd(bundle: Path, main: Path, draft: Path | None, tolerance: float, seqs: int, steps: int,
-               seed: int, as_json: bool) -> int:
+def verify_cmd(bundle: Path, main: Path, draft: Path | None, tolerance: float, seqs: int,
+               steps: int, seed: int, as_json: bool) -> int:
     """Run the originals and the bundle side by side; exit 1 if logits differ > tolerance."""
     from dspark.compiler.verify import verify_model
 
