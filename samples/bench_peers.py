@@ -3,9 +3,12 @@
     python samples/bench_peers.py --setup        # once: peer venv, HF folder, genai model
     python samples/bench_peers.py [--repeats 3] [--temperature 0.7]
 
-Systems (each its own process, one process per system and repeat, order rotated per
-repeat): onnxruntime-genai plain and its n-gram lookup (ngram_size 3, 4 draft tokens),
-dsrun plain (speculation off) and dsrun with its default settings (plus --dsrun-modes).
+Systems, each in its own long-lived process (loaded and warmed up once): onnxruntime-genai
+plain and its n-gram lookup (ngram_size 3, 4 draft tokens), dsrun plain (speculation off)
+and dsrun with its default settings (plus --dsrun-modes). The driver hands every prompt
+to every process in turn, the order rotated per prompt and repeat, so each system runs
+the same prompts under the same machine conditions (this VM's speed drifts by 10-30%
+over minutes: comparing whole runs of one system after another measures the drift).
 Every prompt is tokenized once with the bundle's chat template and fed as ids to both, so
 both see the same tokens. tok/s = new tokens / (prefill + decode) seconds, summed over a
 class's prompts and the repeats (its throughput), with ratios to dsrun plain and to the
@@ -146,9 +149,13 @@ def genai_worker(mode: str, prompts: list[dict], max_tokens: int, temperature: f
 
 
 def emit_runs(run, prompts: list[dict], max_tokens: int) -> None:
+    """Serve the driver: a prompt index per stdin line, a JSON result per stdout line."""
     run(prompts[0]["ids"], 8, 0)  # warm-up: first runs pay allocations
-    for i, p in enumerate(prompts):
-        tokens, seconds = run(p["ids"], max_tokens, i)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        i, seed = (int(x) for x in line.split())
+        p = prompts[i]
+        tokens, seconds = run(p["ids"], max_tokens, seed)
         print(json.dumps({"name": p["name"], "class": p["class"], "tokens": tokens,
                           "seconds": seconds}), flush=True)
 
@@ -160,17 +167,32 @@ def worker_cmd(mode: str, args) -> list[str]:
             "--temperature", str(args.temperature), "--prompt-file", str(args.prompt_file)]
 
 
-def drive(args) -> dict:
+def drive(args, count: int) -> dict:
     modes = [*GENAI_MODES, "dsrun-plain", "dsrun-default", *args.dsrun_modes]
+    workers = {}
+    for mode in modes:
+        log(f"starting {mode}")
+        workers[mode] = subprocess.Popen(worker_cmd(mode, args), stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True)
+        if workers[mode].stdout.readline().strip() != "ready":
+            sys.exit(f"{mode} failed to start")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
-    for r in range(args.repeats):
-        order = modes[r % len(modes):] + modes[:r % len(modes)]
-        for mode in order:
-            log(f"repeat {r + 1}/{args.repeats}: {mode}")
-            out = subprocess.run(worker_cmd(mode, args), capture_output=True, text=True)
-            if out.returncode != 0:
-                sys.exit(f"{mode} failed:\n{out.stderr[-2000:]}")
-            runs[mode] += [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    try:
+        for r in range(args.repeats):
+            log(f"repeat {r + 1}/{args.repeats}")
+            for i in range(count):
+                k = (r * count + i) % len(modes)
+                for mode in modes[k:] + modes[:k]:
+                    workers[mode].stdin.write(f"{i} {r * count + i}\n")
+                    workers[mode].stdin.flush()
+                    line = workers[mode].stdout.readline()
+                    if not line:
+                        sys.exit(f"{mode} died")
+                    runs[mode].append(json.loads(line))
+    finally:
+        for w in workers.values():
+            w.stdin.close()
+            w.wait(timeout=60)
     return summarise(runs, args)
 
 
@@ -196,7 +218,8 @@ def summarise(runs: dict[str, list[dict]], args) -> dict:
 
 def format_report(report: dict) -> str:
     lines = [f"{report['max_tokens']} new tokens, temperature {report['temperature']}, "
-             f"throughput over a class's prompts x {report['repeats']} alternating runs",
+             f"throughput over a class's prompts x {report['repeats']} repeats, systems "
+             "interleaved per prompt",
              f"{'class':<6}{'system, mode':<16}{'tok/s':>8}{'vs dsrun plain':>16}"
              f"{'vs best genai':>15}  same as genai plain"]
     for r in report["rows"]:
@@ -228,8 +251,9 @@ def main() -> None:
         return
     if not (GENAI_DIR / "genai_config.json").exists() or not BUNDLE.exists():
         sys.exit(f"run `make demo` (for {BUNDLE}) and `{sys.argv[0]} --setup` first")
-    os.environ["DSPARK_PEER_PROMPTS"] = json.dumps(prompt_ids(args.prompt_file))
-    report = drive(args)
+    prompts = prompt_ids(args.prompt_file)
+    os.environ["DSPARK_PEER_PROMPTS"] = json.dumps(prompts)
+    report = drive(args, len(prompts))
     print(format_report(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

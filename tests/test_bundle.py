@@ -53,6 +53,25 @@ def test_format_version_and_manifest_checked(bundle_copy):
         open_bundle(bundle_copy)
 
 
+@pytest.mark.parametrize("entry", ["../../etc/passwd", "/etc/passwd", "main/../../x"])
+def test_manifest_paths_outside_the_bundle_are_refused(bundle_copy, entry):
+    manifest = bundle_copy / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["files"][entry] = {"size": 1, "sha256": "0" * 64}
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(BundleError, match="points outside the bundle"):
+        open_bundle(bundle_copy, verify=False)
+
+
+def test_symlinks_in_a_bundle_are_refused(bundle_copy, tmp_path):
+    target = bundle_copy / "main" / "weights.bin"
+    outside = tmp_path / "elsewhere.bin"
+    target.rename(outside)
+    target.symlink_to(outside)  # same bytes, so only the link itself is wrong
+    with pytest.raises(BundleError, match="weights.bin: a symlink"):
+        open_bundle(bundle_copy)
+
+
 def test_config_is_mutable_but_validated(bundle_copy):
     path = bundle_copy / "dflash_config.json"
     cfg = json.loads(path.read_text())

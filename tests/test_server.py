@@ -317,3 +317,16 @@ def test_draftless_bundle_serves_lookup_only(fixture_pairs, tmp_path):
             model="lookup", prompt=ids, extra_body={"speculative_config": {"method": "draft"}}))
         assert e.status_code == 400 and e.body["param"] == "speculative_config.method"
         assert "no draft model" in e.message or "has none" in e.message
+
+
+def test_lone_surrogates_are_a_400_not_a_500(server):
+    body = ('{"model": "tok", "max_tokens": 4, "messages": '
+            '[{"role": "user", "content": "hi \\udcff"}]}')
+    raw = httpx.post(f"{server.url}/v1/chat/completions", content=body.encode(),
+                     headers={"content-type": "application/json"})
+    assert raw.status_code == 400 and raw.json()["error"]["param"] == "messages[0].content"
+    raw = httpx.post(f"{server.url}/v1/completions", content=(
+        b'{"model": "tok", "max_tokens": 4, "prompt": "x\\ud800"}'),
+        headers={"content-type": "application/json"})
+    assert raw.status_code == 400 and raw.json()["error"]["param"] == "prompt"
+    assert httpx.get(f"{server.url}/health").status_code == 200

@@ -121,6 +121,24 @@ def _read_manifest(root: Path) -> dict:
     return manifest
 
 
+def _contain(root: Path, files: dict) -> None:
+    """Every manifest path names a plain file inside the bundle: no absolute paths, no
+    `..`, no symlinks on the way (checked before any of them is opened)."""
+    real = root.resolve()
+    for rel in sorted(files):
+        parts = Path(rel).parts
+        if Path(rel).is_absolute() or ".." in parts or not parts:
+            raise BundleError(f"{root / MANIFEST_FILE}: file entry {rel!r} points outside "
+                              "the bundle")
+        for i in range(1, len(parts) + 1):
+            if (root.joinpath(*parts[:i])).is_symlink():
+                raise BundleError(f"{root.joinpath(*parts[:i])}: a symlink; a bundle holds "
+                                  "plain files only")
+        if not (root / rel).resolve().is_relative_to(real):
+            raise BundleError(f"{root / MANIFEST_FILE}: file entry {rel!r} points outside "
+                              "the bundle")
+
+
 def _verify_files(root: Path, files: dict) -> None:
     for rel, entry in sorted(files.items()):
         if rel in MUTABLE_FILES:
@@ -146,6 +164,7 @@ def open_bundle(path: str | Path, verify: bool = True, config_path: str | Path |
         models = {role: ModelSpec.from_dict(d) for role, d in manifest["models"].items()}
     except (KeyError, TypeError, ValueError) as e:
         raise BundleError(f"{root / MANIFEST_FILE}: malformed manifest ({e!r})") from None
+    _contain(root, files)
     if verify:
         _verify_files(root, files)
     try:

@@ -86,7 +86,8 @@ class LookupDrafter:
         self.config = config
         self.indexes: dict[int, NgramIndex] = {}
         self.corpus = TenantCorpus(config.tenant_corpus_size)
-        self.stats = MatchStats(config.max_ngram)
+        # greedy and sampled requests learn apart: a sample follows the context less often
+        self.stats = {greedy: MatchStats(config.max_ngram) for greedy in (True, False)}
         self.match_len: dict[int, int] = {}  # seq id -> n of its pending proposal
 
     def configure(self, config) -> None:
@@ -111,19 +112,21 @@ class LookupDrafter:
             n, tokens, agree = self.index(w.seq).walk(tail, want)
             if not tokens:
                 n, tokens, agree = self.corpus.walk(w.seq.tenant, tail, want)
-            survival, rate, added = 1.0, self.stats.first_rate(n), 0
+            stats = self.stats[w.seq.request.sampling.greedy]
+            survival, rate, added = 1.0, stats.first_rate(n), 0
             for token, a in zip(tokens, agree):
                 survival *= rate * a
                 if survival < self.config.min_survival:
                     break
                 w.state.add(token, SOURCE, None, rate * a)
-                rate, added = self.stats.next_rate(), added + 1
+                rate, added = stats.next_rate(), added + 1
             if added:
                 self.match_len[w.seq.id] = n
 
     def observe(self, seq: Sequence, verified: int, accepted: int) -> None:
         """Verification of the sequence's leading pending lookup drafts."""
-        self.stats.observe(self.match_len.get(seq.id, 0), verified, accepted)
+        self.stats[seq.request.sampling.greedy].observe(self.match_len.get(seq.id, 0), verified,
+                                                        accepted)
 
     def trim(self, seq: Sequence, valid: int) -> None:
         pass  # the index covers accepted tokens only, which never roll back

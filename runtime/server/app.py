@@ -88,7 +88,8 @@ def create_app(state: ServerState, warmup: bool = True) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         tok = _tokenizer(state)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [{"role": m.role, "content": _text(m.text(), f"messages[{i}].content")}
+                    for i, m in enumerate(body.messages)]
         ids = await asyncio.to_thread(tok.encode_chat, messages)
         return await _generate(state, body, ids, "chat", request, "messages")
 
@@ -101,7 +102,7 @@ def create_app(state: ServerState, warmup: bool = True) -> FastAPI:
                                code="unsupported_parameter")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = await asyncio.to_thread(_tokenizer(state).encode, prompt)
+            ids = await asyncio.to_thread(_tokenizer(state).encode, _text(prompt, "prompt"))
         else:
             ids = list(prompt)
         return await _generate(state, body, ids, "text", request, "prompt")
@@ -130,6 +131,16 @@ def create_app(state: ServerState, warmup: bool = True) -> FastAPI:
                 "max_seqs": plan.max_seqs, "total_bytes": plan.total_bytes}
 
     return app
+
+
+def _text(text: str, param: str) -> str:
+    """JSON may carry lone surrogates (\\udcff), which no tokenizer can encode: a 400."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} is not valid Unicode text ({e.reason} at character "
+                       f"{e.start})", param=param, code="invalid_value") from None
+    return text
 
 
 def _tokenizer(state: ServerState) -> BundleTokenizer:
