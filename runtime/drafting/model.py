@@ -20,7 +20,7 @@ from dspark.runtime.cache.kv_arena import KVArena
 from dspark.runtime.drafting.base import DraftWork
 from dspark.runtime.model.runner import ModelRunner
 from dspark.runtime.sequence.request import Sequence
-from dspark.runtime.sequence.sampling import SamplingParams, probabilities, sample
+from dspark.runtime.sequence.sampling import probabilities, sample
 
 SOURCE = "draft"
 
@@ -31,6 +31,15 @@ def confidence(p: np.ndarray) -> tuple[float, float]:
     top3 = top3 / top3.sum()
     top3 = top3[top3 > 0]
     return float(p.max()), float(-(top3 * np.log(top3)).sum())
+
+
+def greedy_confidence(logits: np.ndarray) -> tuple[float, float]:
+    """confidence() of softmax(logits) without building the float64 distribution (greedy
+    drafting needs only these two numbers, every drafted token)."""
+    e = np.exp(logits - logits.max())
+    total = float(e.sum())
+    top3 = np.partition(e, -3)[-3:] / total
+    return 1.0 / total, confidence(top3)[1]
 
 
 @dataclass
@@ -136,7 +145,7 @@ def draw(w: DraftWork, logits: np.ndarray, tmap: TokenMap | None) -> bool:
     seq, params = w.seq, w.seq.request.sampling
     if params.greedy:
         token = int(logits.argmax())
-        q = probabilities(logits, SamplingParams(temperature=1.0))
+        q = None
     else:
         q = probabilities(logits, params)
         if tmap is not None:  # propose only mapped tokens: sample from q restricted to them
@@ -150,9 +159,9 @@ def draw(w: DraftWork, logits: np.ndarray, tmap: TokenMap | None) -> bool:
         token = int(tmap.draft_to_main[token])
         if token < 0:
             return False
-    top1, entropy = confidence(q)
+    top1, entropy = greedy_confidence(logits) if q is None else confidence(q)
     proposal = None
-    if not params.greedy:
+    if q is not None:
         proposal = tmap.main_probabilities(q)[0] if tmap is not None else q
     w.state.add(token, SOURCE, proposal, top1, entropy)
     return True
