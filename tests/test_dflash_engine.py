@@ -136,9 +136,9 @@ def test_benchmark_can_lift_the_device_window_cap(compiled):
     request = GenerationRequest((1, 2, 3), 40, method="draft")
     [seq] = engine.generate([request])
     assert len(seq.stats.accepted_at) == 4  # the longest round verified 4 drafts
-    engine.set_policy("fixed", 6, device_cap=False)
+    engine.planner.set_policy("fixed", 6, device_cap=False)
     [seq] = engine.generate([request])
     assert len(seq.stats.accepted_at) == 6
-    engine.set_policy("fixed", 12, device_cap=False)
+    engine.planner.set_policy("fixed", 12, device_cap=False)
     [seq] = engine.generate([request])
     assert len(seq.stats.accepted_at) == config.window.max_window

@@ -135,8 +135,8 @@ def parse_modes(text: str) -> list[Mode]:
 
 def _use(engine: Engine, policy: str | None, window: int | None) -> None:
     """fixed:N is window N, above the device cap too; method modes use the config's policy."""
-    engine.set_policy(policy or engine.config.window.policy, window,
-                      device_cap=policy != "fixed")
+    engine.planner.set_policy(policy or engine.config.window.policy, window,
+                              device_cap=policy != "fixed")
 
 
 def run_sweep(engine: Engine, tokenizer, prompts: list[dict], max_tokens: int, repeats: int,

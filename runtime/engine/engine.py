@@ -71,7 +71,7 @@ class Engine:
                                      bool(self.draft_models), policy or (
                                          "fixed" if window else None), window)
         self.drafting = HybridDrafter(LookupDrafter(self.config.drafting.lookup),
-                                      self._model_drafter(bundle),
+                                      _model_drafter(self, bundle),
                                       SourceChooser(self.config.drafting, self.costs))
         self.keep = self.planner.keep_drafting(self.drafting)
         self.eos_ids = frozenset(eos_ids)
@@ -82,18 +82,6 @@ class Engine:
         self.round_log: list[tuple] = []  # (tenant, window, drafted, accepted, sources)
         self.method_log: list[tuple[str, str]] = []  # this step's (tenant, source) per round
         self.last_verify_ms: float | None = None
-
-    def _model_drafter(self, bundle: Bundle) -> ModelDrafter | None:
-        if not self.draft_models:
-            return None
-        maps = {"draft": bundle.token_map} if bundle.token_map is not None else {}
-        return ModelDrafter(self.draft_models, self.arena, self.resources.draft, maps,
-                            lambda: self.scheduler.prefill_tokens, self._room)
-
-    def _room(self, seq: Sequence) -> int:
-        """Positions a sequence may fill in any pool: its reservation, the max length."""
-        reserved = self.scheduler.reserved.get(seq.id, 0) * self.plan.block_size
-        return min(reserved, self.plan.max_seq_len)
 
     @property
     def plan(self) -> MemoryPlan:
@@ -256,9 +244,6 @@ class Engine:
                       {"main": [t for t in main_sizes if t < limit],
                        "draft": [t for t in draft_sizes if t < limit]})
 
-    def set_policy(self, name: str, window: int | None = None, device_cap: bool = True) -> None:
-        self.planner.set_policy(name, window, device_cap)
-
 
 def _accept(seq: Sequence, pending: DraftState, k: int, logits: np.ndarray) -> Acceptance:
     """Greedy: exact match; sampling: rejection sampling against the drafts' proposals q."""
@@ -267,3 +252,18 @@ def _accept(seq: Sequence, pending: DraftState, k: int, logits: np.ndarray) -> A
         return accept_greedy(pending.tokens[:k], logits)
     return accept_sampled(pending.tokens[:k], pending.q_matrix(k, logits.shape[-1]),
                           probabilities(logits, params), seq.rng)
+
+
+def _model_drafter(engine: Engine, bundle: Bundle) -> ModelDrafter | None:
+    """The bundle's draft models as a drafter: it reads as many tokens per catch-up forward
+    as a prompt chunk, and may fill a sequence's positions up to its reservation."""
+    if not engine.draft_models:
+        return None
+
+    def room(seq: Sequence) -> int:
+        reserved = engine.scheduler.reserved.get(seq.id, 0) * engine.plan.block_size
+        return min(reserved, engine.plan.max_seq_len)
+
+    maps = {"draft": bundle.token_map} if bundle.token_map is not None else {}
+    return ModelDrafter(engine.draft_models, engine.arena, engine.resources.draft, maps,
+                        lambda: engine.scheduler.prefill_tokens, room)
