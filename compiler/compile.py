@@ -129,8 +129,9 @@ def compile_bundle(opts: CompileOptions, progress: Progress) -> dict:
     """Compile and publish the bundle; returns the manifest."""
     contracts, tokenizer, mapping = check_inputs(opts)
     with tempfile.TemporaryDirectory(prefix="dsc-") as work, staged_bundle(opts.out) as tmp:
-        specs = {r: compile_model(contracts[r], r, Path(work), tmp, progress)
+        built = {r: compile_model(contracts[r], r, Path(work), tmp, progress, opts.max_seq_len)
                  for r in opts.roles}
+        specs = {r: spec for r, (spec, _) in built.items()}
         vocab = {r: s.vocab_size for r, s in specs.items()}
         for role in (r for r in opts.roles[1:] if opts.vocab_checked(r)):
             _check_vocab({"main": opts.main, "draft": opts.model_path(role)},
@@ -153,6 +154,7 @@ def compile_bundle(opts: CompileOptions, progress: Progress) -> dict:
             "inputs": {r: _digest(contracts[r]) for r in opts.roles},
             "flags": opts.flags(),
             "models": {r: s.to_dict() for r, s in specs.items()},
+            "stage1": {r: report for r, (_, report) in built.items()},
             "tokenizer": tokenizer_files,
             "token_map": TOKEN_MAP_FILE if mapping is not None else None,
             "kernels": {"mode": kernels["mode"], "archs": kernels["archs"],

@@ -18,6 +18,7 @@ def inspect_dict(bundle: Bundle) -> dict:
         "memory_plan": bundle.plan.to_dict(),
         "config": bundle.config.to_dict(),
         "kernels": bundle.manifest.get("kernels", {}),
+        "stage1": bundle.manifest.get("stage1", {}),
         "tokenizer": bundle.manifest.get("tokenizer", []),
         "files": len(bundle.manifest["files"]),
         "bytes": sum(e["size"] for e in bundle.manifest["files"].values()),
@@ -47,6 +48,7 @@ def inspect_text(bundle: Bundle) -> str:
             f"{m['kv_bytes_per_token'] / 1024:.1f} KiB KV/token"
             f"  <- {src['file']} sha256 {src['sha256'][:12]}"
         )
+        lines.extend(_stage1_lines(d["stage1"].get(role)))
     lines.append(
         f"  memory plan: {plan.layout}, block {plan.block_size} tokens, {plan.num_blocks} blocks "
         f"({plan.capacity_tokens} tokens, {plan.total_bytes / 2**20:.1f} MiB of "
@@ -61,3 +63,16 @@ def inspect_text(bundle: Bundle) -> str:
         else f" ({k.get('reason')})" if k.get("reason") else ""))
     lines.append("  tokenizer: " + (", ".join(d["tokenizer"]) or "none (use --prompt-ids)"))
     return "\n".join(lines)
+
+
+def _stage1_lines(report: dict | None) -> list[str]:
+    """Op histogram before -> after stage 1 (ops that changed, most first) and pass counts."""
+    if not report:
+        return []
+    before, after = report["ops_before"], report["ops_after"]
+    delta = {op: after.get(op, 0) - before.get(op, 0) for op in {*before, *after}}
+    changed = sorted((op for op, d in delta.items() if d), key=lambda op: (-abs(delta[op]), op))
+    passes = ", ".join(f"{k} {v}" for k, v in report["passes"].items())
+    return [f"        stage 1: {sum(before.values())} -> {sum(after.values())} ops ({passes})",
+            "        " + ", ".join(f"{op} {before.get(op, 0)}->{after.get(op, 0)}"
+                                   for op in changed)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +13,11 @@ import onnx_graphsurgeon as gs
 from dspark.compiler.contract import InputContract
 from dspark.compiler.passes.attention import AttentionMatch, find_attentions
 from dspark.compiler.passes.bind import Meaning, bind_removed_inputs, classify, int_candidates
+from dspark.compiler.passes.fold_shapes import fold_shapes, reshaped, shape_derived
 from dspark.compiler.passes.optimize import load_full, optimize
 from dspark.compiler.passes.probe import PROBE_SHAPES, Prober
 from dspark.compiler.passes.segments import SegmentCut, cut_segments, segment_graph
+from dspark.compiler.passes.rotary import fuse_rotary
 from dspark.compiler.passes.select_logits import select_logits_rows
 from dspark.compiler.passes.verify_nodes import (
     LayerGeometry,
@@ -48,7 +52,8 @@ class ModelAnalysis:
                  matches: list[AttentionMatch]):
         removed = set(contract.removed_inputs)
         candidates = int_candidates(graph, removed)
-        expose = dict(candidates)
+        shapes = {**shape_derived(graph), **reshaped(graph)}
+        expose = {**shapes, **candidates}
         for m in matches:
             expose.update({t.name: _elem(t) for t in (m.q, m.k_new, m.v_new, m.out)})
         expose[LOGITS] = onnx.TensorProto.FLOAT
@@ -62,10 +67,19 @@ class ModelAnalysis:
             meaning = classify([s[name] for s in samples], PROBE_SHAPES)
             if meaning is not None:
                 self.meanings[name] = meaning
+        self.shape_samples = {name: [s[name] for s in samples] for name in shapes}
+
+
+@dataclass
+class Rewritten:
+    geometry: list[LayerGeometry]
+    vocab_size: int
+    matches: list[AttentionMatch]
+    counts: dict[str, int]  # what each pass changed, for the compile report
 
 
 def rewrite(graph: gs.Graph, contract: InputContract, role: str, progress: Progress,
-            opt_path: Path) -> tuple[list[LayerGeometry], int, list[AttentionMatch]]:
+            opt_path: Path, max_positions: int) -> Rewritten:
     matches = find_attentions(graph, contract)
     analysis = ModelAnalysis(opt_path, contract, graph, matches)
     counts = {
@@ -76,10 +90,12 @@ def rewrite(graph: gs.Graph, contract: InputContract, role: str, progress: Progr
     counts["inputs_bound"] = bind_removed_inputs(graph, set(contract.removed_inputs),
                                                  analysis.meanings, role, contract.path)
     graph.cleanup().toposort()
+    counts["shapes_folded"] = fold_shapes(graph, analysis.shape_samples, role)
+    counts["rotary_fused"], counts["rotary_unfused"] = fuse_rotary(graph, role, max_positions)
     counts["logits_rows_selected"] = select_logits_rows(graph)
     graph.toposort()
     progress.say(f"{role}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
-    return analysis.geometry, analysis.vocab_size, matches
+    return Rewritten(analysis.geometry, analysis.vocab_size, matches, counts)
 
 
 def _uniform(geometry: list[LayerGeometry], contract: InputContract) -> LayerGeometry:
@@ -120,14 +136,23 @@ def write_model(graph: gs.Graph, cuts: list[SegmentCut], role: str, out: Path
     return tuple(segments), f"{role}/model.onnx", f"{role}/weights.bin"
 
 
+def op_counts(nodes) -> dict[str, int]:
+    return dict(sorted(Counter(n.op if isinstance(n, gs.Node) else n.op_type
+                               for n in nodes).items()))
+
+
 def compile_model(contract: InputContract, role: str, work: Path, out: Path,
-                  progress: Progress) -> ModelSpec:
+                  progress: Progress, max_positions: int) -> tuple[ModelSpec, dict]:
+    """The model's spec and its stage-1 report (ops before and after, pass counts).
+    `max_positions`: rotary tables cover positions below it (the bundle's max_seq_len)."""
+    before = op_counts(onnx.load(str(contract.path), load_external_data=False).graph.node)
     with progress.stage(f"optimize {role}"):
         opt_path = optimize(contract, work, role)
         graph = gs.import_onnx(load_full(opt_path))
     with progress.stage(f"verify-nodes {role}"):
-        geometry, vocab, matches = rewrite(graph, contract, role, progress, opt_path)
-        geo = _uniform(geometry, contract)
+        done = rewrite(graph, contract, role, progress, opt_path, max_positions)
+        matches = done.matches
+        geo = _uniform(done.geometry, contract)
         cuts, after = cut_segments(graph)
         segments, graph_file, weights_file = write_model(graph, cuts, role, out)
     nodes = {n.name: n for n in graph.nodes}
@@ -137,10 +162,12 @@ def compile_model(contract: InputContract, role: str, work: Path, out: Path,
         q, k, v = (t.name for t in node.inputs)
         ops.append(VerifyOp(node.name, m.layer, q, k, v, node.outputs[0].name, geo.num_heads,
                             geo.num_kv_heads, geo.head_dim, node.attrs["scale"], after[node.name]))
+    report = {"ops_before": before, "ops_after": op_counts(graph.nodes), "passes": done.counts}
     return ModelSpec(
         role=role, num_layers=contract.num_layers, num_heads=geo.num_heads,
-        num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, vocab_size=vocab,
+        num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, vocab_size=done.vocab_size,
         kv_dtype=_KV_DTYPES.get(contract.kv_dtype, "float32"),
         inputs=tuple(t.name for t in graph.inputs), graph_file=graph_file,
         weights_file=weights_file, segments=segments, verify_ops=tuple(ops),
-    )
+        max_positions=max_positions if done.counts["rotary_fused"] else None,
+    ), report

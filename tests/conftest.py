@@ -73,11 +73,20 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% e
 @pytest.fixture(scope="session")
 def tok_bundle(fixture_pairs, tmp_path_factory) -> Path:
     """The llama fixture with a small word-level tokenizer and a chat template."""
+    return _tok_bundle(fixture_pairs, tmp_path_factory.mktemp("tok"), "llama")
+
+
+@pytest.fixture(scope="session")
+def gpt2_tok_bundle(fixture_pairs, tmp_path_factory) -> Path:
+    """The same for gpt2: learned positions, so no rotary tables bound its max length."""
+    return _tok_bundle(fixture_pairs, tmp_path_factory.mktemp("tok-gpt2"), "gpt2")
+
+
+def _tok_bundle(fixture_pairs, root: Path, arch: str) -> Path:
     import json
 
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
-    root = tmp_path_factory.mktemp("tok")
     words = {f"w{i}": i for i in range(300)}
     words.update({"<user>": 300, "<assistant>": 301, "hello": 302, "world": 303,
                   "<system>": 304})
@@ -89,7 +98,7 @@ def tok_bundle(fixture_pairs, tmp_path_factory) -> Path:
     tok.save(str(root / "tok" / "tokenizer.json"))
     (root / "tok" / "tokenizer_config.json").write_text(json.dumps({"chat_template":
                                                                     CHAT_TEMPLATE}))
-    main, draft = fixture_pairs[("llama", "classic")]
+    main, draft = fixture_pairs[(arch, "classic")]
     out = root / "tok.dsmodel"
     compile_bundle(CompileOptions(main, draft, out, tokenizer=root / "tok", max_seq_len=64),
                    Progress(quiet=True))

@@ -191,11 +191,11 @@ def test_disconnects_free_the_cache(server):
     assert server.wait_idle(), (server.engine.busy, server.engine.arena.free_blocks)
 
 
-def test_cache_resize_and_warmup(tok_bundle, tmp_path):
-    config = json.loads((tok_bundle / "dflash_config.json").read_text())
+def test_cache_resize_and_warmup(gpt2_tok_bundle, tmp_path):
+    config = json.loads((gpt2_tok_bundle / "dflash_config.json").read_text())
     config["cache_resize_grace_period_sec"] = 0
     (tmp_path / "c.json").write_text(json.dumps(config))
-    with LiveServer(tok_bundle, config=tmp_path / "c.json") as live:
+    with LiveServer(gpt2_tok_bundle, config=tmp_path / "c.json") as live:
         post = lambda path, body: httpx.post(f"{live.url}{path}", json=body, timeout=30)  # noqa: E731
         assert post("/v1/warmup", {"draft_tokens": 8, "main_tokens": 1}).json()["seconds"] > 0
         r = post("/v1/cache/resize", {"max_length": 32})
@@ -212,6 +212,17 @@ def test_cache_resize_and_warmup(tok_bundle, tmp_path):
         assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
         stream.close()
         assert post("/v1/cache/resize", {"max_length": 10}).status_code == 400
+
+
+def test_resize_refused_past_the_rotary_tables(tok_bundle):
+    """The llama bundle's rotary tables cover its compiled max_seq_len (64), no more."""
+    with LiveServer(tok_bundle, warmup=False) as live:
+        r = httpx.post(f"{live.url}/v1/cache/resize", json={"max_length": 65}, timeout=30)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "max_length" and "rotary tables" in error["message"]
+        r = httpx.post(f"{live.url}/v1/cache/resize", json={"max_length": 64}, timeout=30)
+        assert r.status_code == 200 and r.json()["max_length"] == 64
 
 
 def test_api_key(tok_bundle):

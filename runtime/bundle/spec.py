@@ -61,6 +61,8 @@ class ModelSpec:
     weights_file: str  # shared external data of graph_file and every segment
     segments: tuple[Segment, ...]
     verify_ops: tuple[VerifyOp, ...]
+    # positions the graph can embed (its rotary tables' rows); None: no such limit
+    max_positions: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in _DTYPE_BYTES:

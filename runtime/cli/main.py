@@ -159,10 +159,12 @@ def generate(model: Path, prompt, prompt_ids, chat, max_tokens: int, temperature
 @click.option("--config", "config_path", type=PathArg, help="dflash_config.json to use")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--plot", type=PathArg, help="write acceptance and tokens/s per prompt (PNG)")
+@click.option("--profile", is_flag=True,
+              help="instead: where a decode and a verify step spend their time")
 @drafter_option
 @device_option
 def bench(model: Path, prompts, max_tokens: int, repeats: int, window, policy, policies,
-          config_path, as_json: bool, plot, drafter, device: str) -> None:
+          config_path, as_json: bool, plot, profile: bool, drafter, device: str) -> None:
     """Speculative vs plain decoding on the same prompts, interleaved, in one process."""
     from dspark.runtime.cli.bench import (
         format_report,
@@ -177,6 +179,12 @@ def bench(model: Path, prompts, max_tokens: int, repeats: int, window, policy, p
 
     engine, tokenizer = load_engine(model, window, policy=policy, config=config_path,
                                     device=device)
+    if profile:
+        from dspark.runtime.model.step_profile import format_profile, profile_engine
+
+        report = profile_engine(engine, repeats=max(5, 5 * repeats))
+        click.echo(json.dumps(report, indent=2) if as_json else format_profile(report))
+        return
     if policies:
         report = run_sweep(engine, tokenizer, load_prompts(prompts), max_tokens, repeats,
                            parse_modes(policies))

@@ -35,6 +35,7 @@ from dspark.runtime.engine.emit import emit
 from dspark.runtime.engine.planner import WindowPlanner
 from dspark.runtime.engine.round_plan import RoundPlan, Slot
 from dspark.runtime.engine.scheduler import Scheduler
+from dspark.runtime.errors import RequestError
 from dspark.runtime.model.costs import CostModel
 from dspark.runtime.model.device import resolve_device
 from dspark.runtime.model.profile import warmup
@@ -234,6 +235,13 @@ class Engine:
         self._release(seq)
 
     def resize(self, max_seq_len: int) -> MemoryPlan:
+        """New max sequence length (RequestError past a model's rotary tables)."""
+        for role, spec in self.bundle.models.items():
+            if spec.max_positions is not None and max_seq_len > spec.max_positions:
+                raise RequestError(
+                    f"max_length {max_seq_len} is past the {spec.max_positions} positions the "
+                    f"{role} model's rotary tables were compiled for (dsc compile "
+                    "--max-seq-len)", param="max_length", code="max_length_exceeded")
         return self.scheduler.resize(max_seq_len, self.arena)
 
     def warmup(self, main_sizes=(1, 2, 4, 8, 16, 32, 64), draft_sizes=(1, 2, 4, 8, 16)) -> dict:

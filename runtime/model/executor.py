@@ -28,11 +28,20 @@ class AttentionBackend(Protocol):
                  batch: FlatBatch) -> np.ndarray: ...
 
 
+class StepClock(Protocol):
+    """Told when each segment's onnxruntime run and its attention ops end (profiling)."""
+
+    def lap(self, kind: str) -> None: ...
+
+
 class SegmentedModel:
-    def __init__(self, bundle: Bundle, role: str, attention: AttentionBackend):
+    def __init__(self, bundle: Bundle, role: str, attention: AttentionBackend,
+                 profile_prefix: str | None = None):
+        """`profile_prefix`: sessions write onnxruntime profiles there (dsrun bench --profile)."""
         self.spec = bundle.model(role)
         self.attention = attention
-        self.sessions = [make_session(bundle.path(s.file)) for s in self.spec.segments]
+        self.sessions = [make_session(bundle.path(s.file), profile_prefix=profile_prefix)
+                         for s in self.spec.segments]
         self.ops_after: dict[int, list[VerifyOp]] = defaultdict(list)
         for op in self.spec.verify_ops:
             self.ops_after[op.after_segment].append(op)
@@ -43,7 +52,8 @@ class SegmentedModel:
             if i.name in (INPUT_IDS, POSITION_IDS)
         }
 
-    def forward(self, batch: FlatBatch, rows: np.ndarray | None = None) -> np.ndarray:
+    def forward(self, batch: FlatBatch, rows: np.ndarray | None = None,
+                clock: StepClock | None = None) -> np.ndarray:
         """Logits [len(rows), vocab] for the chosen token rows of the flattened batch
         (default: every row). Bundles whose graph takes `logits_index` compute only those."""
         types = self.input_types
@@ -54,9 +64,15 @@ class SegmentedModel:
         selects = LOGITS_INDEX in self.spec.inputs
         if selects:
             env[LOGITS_INDEX] = np.arange(batch.num_tokens) if rows is None else rows
+        if clock is not None:
+            clock.lap("feeds")
         for sess, outputs, inputs, ops in self.steps:
             env.update(zip(outputs, sess.run(outputs, {n: env[n] for n in inputs})))
+            if clock is not None:
+                clock.lap("segment")
             for op in ops:
                 env[op.out] = self.attention(op, env[op.q], env[op.k], env[op.v], batch)
+            if clock is not None and ops:
+                clock.lap("attention")
         logits = env[LOGITS][0]
         return logits if rows is None or selects else logits[rows]

@@ -42,10 +42,11 @@ def init_threads() -> bool:
 
 
 def make_session(path: str | Path | bytes, level: str = "all", optimized_path: Path | None = None,
-                 config: dict[str, str] | None = None, providers: list | None = None
-                 ) -> ort.InferenceSession:
+                 config: dict[str, str] | None = None, providers: list | None = None,
+                 profile_prefix: str | None = None) -> ort.InferenceSession:
     """A session on the shared pool (`level`: none, basic or all graph optimization);
-    `path` may also be a serialized model. `providers` default to the CPU's."""
+    `path` may also be a serialized model. `providers` default to the CPU's.
+    `profile_prefix`: write onnxruntime's per-op profile there (end_profiling() names it)."""
     shared = init_threads()
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -55,6 +56,9 @@ def make_session(path: str | Path | bytes, level: str = "all", optimized_path: P
     else:
         so.intra_op_num_threads = read_env().threads
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if profile_prefix is not None:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile_prefix
     if optimized_path is not None:
         so.optimized_model_filepath = str(optimized_path)
     for key, value in (config or {}).items():

@@ -1,0 +1,221 @@
+"""Rotary position embedding as one onnxruntime `RotaryEmbedding` op per q and per k.
+
+Classic exports spell Hugging Face's rotate_half rotary in eight ops per tensor:
+
+    x --Slice[..., :h]---------------------+
+    x --Slice[..., h:]--Neg--Concat(-x2, x1)--Mul(sin)--+
+    x ----------------------------------------Mul(cos)--+--Add--> y       (h = head_dim / 2)
+cos and sin are [..., T, head_dim] functions of position_ids (each half repeated). They
+become tables [max_positions, h] that the contrib op (com.microsoft, CPU and CUDA) reads at
+position_ids:
+
+    x [1, heads, T, head_dim] --RotaryEmbedding(position_ids, cos_table, sin_table)--> y
+The tables come from running the graph's own cos/sin subgraph over every position. They are
+used only if each position's row is the same whichever other positions are in the batch
+(dynamic rope scaling, where they are not, stays unfused), and only for a y that
+SpeculativeVerify reads as q or k, whose shape the probes proved [1, heads, T, head_dim].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from dspark.runtime.bundle.spec import POSITION_IDS, VERIFY_OP
+
+CONTRIB = "com.microsoft"
+
+
+@dataclass(frozen=True)
+class RotaryMatch:
+    add: gs.Node
+    x: gs.Variable
+    cos: gs.Variable
+    sin: gs.Variable
+    half: int
+
+
+def _producer(t: gs.Tensor, op: str) -> gs.Node | None:
+    if isinstance(t, gs.Variable) and len(t.inputs) == 1 and t.inputs[0].op == op:
+        return t.inputs[0]
+    return None
+
+
+def _const_ints(t: gs.Tensor) -> list[int] | None:
+    if isinstance(t, gs.Constant) and t.values.dtype.kind == "i" and t.values.ndim <= 1:
+        return [int(v) for v in np.atleast_1d(t.values)]
+    return None
+
+
+def _last_axis_slice(node: gs.Node | None) -> tuple[gs.Tensor, int, int] | None:
+    """(data, start, end) of a Slice of the last axis (rank 4) with step 1."""
+    if node is None or len(node.inputs) < 4:
+        return None
+    starts, ends, axes = (_const_ints(t) for t in node.inputs[1:4])
+    steps = _const_ints(node.inputs[4]) if len(node.inputs) > 4 else [1]
+    if None in (starts, ends, axes, steps) or not (len(starts) == len(ends) == len(axes) == 1):
+        return None
+    if axes[0] not in (-1, 3) or steps != [1]:
+        return None
+    return node.inputs[0], starts[0], ends[0]
+
+
+def _rotate_half(rot: gs.Tensor) -> tuple[gs.Tensor, int] | None:
+    """x and h if rot == Concat(-x[..., h:], x[..., :h]) on the last axis."""
+    concat = _producer(rot, "Concat")
+    if concat is None or concat.attrs.get("axis") not in (-1, 3) or len(concat.inputs) != 2:
+        return None
+    neg = _producer(concat.inputs[0], "Neg")
+    upper = _last_axis_slice(_producer(neg.inputs[0], "Slice")) if neg else None
+    lower = _last_axis_slice(_producer(concat.inputs[1], "Slice"))
+    if upper is None or lower is None or upper[0] is not lower[0]:
+        return None
+    (x, hi_start, hi_end), (_, lo_start, lo_end) = upper, lower
+    if lo_start != 0 or hi_start != lo_end or hi_start <= 0 or hi_end < 2 * hi_start:
+        return None
+    return x, hi_start
+
+
+def _match(add: gs.Node) -> RotaryMatch | None:
+    muls = [_producer(t, "Mul") for t in add.inputs]
+    if len(muls) != 2 or any(m is None for m in muls):
+        return None
+    for plain, rotated in (muls, muls[::-1]):
+        for a, b in (rotated.inputs, rotated.inputs[::-1]):
+            found = _rotate_half(a)
+            if found is None or all(t is not found[0] for t in plain.inputs):
+                continue
+            x, half = found
+            cos = plain.inputs[1] if plain.inputs[0] is x else plain.inputs[0]
+            if isinstance(cos, gs.Variable) and isinstance(b, gs.Variable):
+                return RotaryMatch(add, x, cos, b, half)
+    return None
+
+
+def _slot(node: gs.Node, t: gs.Tensor) -> int:
+    return next(i for i, x in enumerate(node.inputs) if x is t)
+
+
+def find_rotary(graph: gs.Graph) -> tuple[list[RotaryMatch], int]:
+    """Rotaries whose result SpeculativeVerify reads as q or k, and how many Adds looked
+    like a rotary (a Mul of a rotate_half) but were not usable."""
+    found, unusable = [], 0
+    for node in graph.nodes:
+        if node.op != "Add" or len(node.outputs) != 1:
+            continue
+        m = _match(node)
+        if m is None:
+            continue
+        y = node.outputs[0]
+        if y.outputs and all(c.op == VERIFY_OP and _slot(c, y) in (0, 1) for c in y.outputs):
+            found.append(m)
+        else:
+            unusable += 1
+    return found, unusable
+
+
+def _ancestors(outputs: list[gs.Variable]) -> list[gs.Node]:
+    seen: dict[int, gs.Node] = {}
+    stack = [t for t in outputs]
+    while stack:
+        t = stack.pop()
+        for node in t.inputs:
+            if id(node) not in seen:
+                seen[id(node)] = node
+                stack.extend(node.inputs)
+    return list(seen.values())
+
+
+class TableMaker:
+    """Runs the graph's cos/sin subgraph (position_ids -> cos, sin) at chosen positions."""
+
+    def __init__(self, graph: gs.Graph, cos: gs.Variable, sin: gs.Variable):
+        nodes = _ancestors([cos, sin])
+        sources = {t.name: t for n in nodes for t in n.inputs
+                   if isinstance(t, gs.Variable) and not t.inputs and t.name}
+        self.session = None
+        if set(sources) != {POSITION_IDS}:
+            return
+        from dspark.runtime.model.sessions import make_session
+
+        sub = gs.Graph(nodes=nodes, inputs=[sources[POSITION_IDS]], outputs=[cos, sin],
+                       opset=graph.opset, import_domains=graph.import_domains)
+        self.dtype = np.dtype(sources[POSITION_IDS].dtype or np.int64)
+        self.session = make_session(gs.export_onnx(sub, do_type_check=False).SerializeToString(),
+                                    level="none")
+
+    def rows(self, positions: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """cos, sin [len(positions), width] at these positions, or None if not that shape."""
+        out = self.session.run(None, {POSITION_IDS: positions.astype(self.dtype)[None]})
+        if any(o.size != positions.size * width for o in out):
+            return None
+        return tuple(o.reshape(positions.size, width) for o in out)
+
+
+def rotary_tables(maker: TableMaker, half: int, max_positions: int
+                  ) -> tuple[np.ndarray, np.ndarray] | None:
+    """cos and sin tables [max_positions, half], if the subgraph is a pure function of each
+    position with both halves of a row equal (rotate_half's layout); else None."""
+    if maker.session is None:
+        return None
+    full = maker.rows(np.arange(max_positions), 2 * half)
+    if full is None or any(not np.array_equal(t[:, :half], t[:, half:]) for t in full):
+        return None
+    rng = np.random.default_rng(0)
+    for probe in (np.arange(5), rng.integers(0, max_positions, 7)):
+        part = maker.rows(probe, 2 * half)
+        if part is None or any(not np.allclose(p, t[probe], rtol=0, atol=1e-6)
+                               for p, t in zip(part, full)):
+            return None
+    return tuple(np.ascontiguousarray(t[:, :half], dtype=np.float32) for t in full)
+
+
+def _positions(graph: gs.Graph) -> gs.Variable:
+    pos = next(t for t in graph.inputs if t.name == POSITION_IDS)
+    if np.dtype(pos.dtype) == np.int64:
+        return pos
+    cast = gs.Variable(f"{POSITION_IDS}/int64", dtype=np.int64)
+    graph.nodes.append(gs.Node("Cast", f"/{POSITION_IDS}/Cast", {"to": 7}, [pos], [cast]))
+    return cast
+
+
+def fuse_rotary(graph: gs.Graph, role: str, max_positions: int) -> tuple[int, int]:
+    """Replace each usable rotary with RotaryEmbedding; returns (fused, left unfused)."""
+    matches, unfused = find_rotary(graph)
+    if not any(t.name == POSITION_IDS for t in graph.inputs):
+        return 0, unfused + len(matches)
+    tables: dict[tuple[str, str, int], tuple[gs.Constant, gs.Constant] | None] = {}
+    fused, positions = 0, None
+    for m in matches:
+        key = (m.cos.name, m.sin.name, m.half)
+        if key not in tables:
+            made = rotary_tables(TableMaker(graph, m.cos, m.sin), m.half, max_positions)
+            tables[key] = None if made is None else tuple(
+                gs.Constant(f"/{role}/rotary/{kind}_table_{len(tables)}", t)
+                for kind, t in zip(("cos", "sin"), made))
+        if tables[key] is None:
+            unfused += 1
+            continue
+        positions = positions or _positions(graph)
+        y = m.add.outputs[0]
+        m.add.outputs.clear()
+        verify = y.outputs[0]
+        which = "q" if _slot(verify, y) == 0 else "k"
+        name = f"{verify.name.rsplit('/', 1)[0]}/rotary_{which}"
+        graph.nodes.append(gs.Node("RotaryEmbedding", name, {"interleaved": 0},
+                                   [m.x, positions, *tables[key]], [y], domain=CONTRIB))
+        fused += 1
+    if fused:
+        _import(graph, CONTRIB)
+    graph.cleanup().toposort()
+    return fused, unfused
+
+
+def _import(graph: gs.Graph, domain: str) -> None:
+    import onnx
+
+    domains = list(graph.import_domains or [])
+    if all(d.domain != domain for d in domains):
+        graph.import_domains = [*domains, onnx.helper.make_opsetid(domain, 1)]

@@ -1,0 +1,184 @@
+"""Where a forward spends its time (`dsrun bench --profile`).
+
+A decode step (1 token) and a verify step (k tokens) of one model at a cached context, timed
+part by part on the CPU executor:
+
+    feeds | segment 0 (embeddings .. layer 0 q/k/v) | layer segments | last segment (LM head)
+          | attention (SpeculativeVerify between segments) | glue (what is left of forward)
+then the same steps on a second set of sessions with onnxruntime's profiler on, for each op
+type's share of kernel time; and the weight bytes a step reads, for the GB/s it reaches.
+The engine's own cost per token (scheduling, sampling, acceptance, emitting) is a plain
+generation's wall time less its forwards.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from dspark.runtime.model.batch import FlatBatch, SeqChunk
+from dspark.runtime.model.executor import SegmentedModel
+from dspark.runtime.model.runner import ModelRunner
+
+SEQ = -100  # below the warm-up probes' ids; no request gets it
+
+
+class Laps:
+    """StepClock that keeps each part's seconds."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+        self.parts: dict[str, list[float]] = {"feeds": [], "segment": [], "attention": []}
+
+    def lap(self, kind: str) -> None:
+        now = time.perf_counter()
+        self.parts[kind].append(now - self.last)
+        self.last = now
+
+
+def weight_bytes(runner: ModelRunner, bundle) -> int:
+    """Initializer bytes over the model's segments that one forward reads whole: all but
+    the tables only a Gather reads (the embedding: a few rows per step)."""
+    total = 0
+    for seg in bundle.model(runner.role).segments:
+        graph = onnx.load(str(bundle.path(seg.file)), load_external_data=False).graph
+        other = {name for n in graph.node if n.op_type != "Gather" for name in n.input}
+        gathered = {n.input[0] for n in graph.node if n.op_type == "Gather"} - other
+        for t in graph.initializer:
+            if t.name in gathered:
+                continue
+            ext = {e.key: e.value for e in t.external_data}
+            total += int(ext["length"]) if "length" in ext else len(t.raw_data)
+    return total
+
+
+def _step(runner: ModelRunner, model, context: int, n: int, clock: Laps | None) -> float:
+    arena, pool = runner.arena, runner.pool
+    arena.reserve(SEQ, pool, context, n)
+    batch = FlatBatch.build([SeqChunk(SEQ, context, tuple(range(7, 7 + n)))])
+    t0 = time.perf_counter()
+    if clock is None:
+        model.forward(batch, np.arange(n))
+    else:
+        clock.last = t0
+        model.forward(batch, np.arange(n), clock)
+    elapsed = time.perf_counter() - t0
+    arena.rollback(SEQ, pool, context)
+    return elapsed
+
+
+def _timed(runner: ModelRunner, context: int, n: int, repeats: int) -> dict:
+    cpu = isinstance(runner.model, SegmentedModel)
+    rows = []
+    for _ in range(repeats):
+        laps = Laps() if cpu else None
+        total = _step(runner, runner.model, context, n, laps)
+        rows.append((total, laps))
+    ms = lambda xs: round(1000 * statistics.median(xs), 3)  # noqa: E731
+    out = {"tokens": n, "total_ms": ms([t for t, _ in rows])}
+    if cpu:
+        seg = [laps.parts["segment"] for _, laps in rows]
+        out.update(
+            feeds_ms=ms([laps.parts["feeds"][0] for _, laps in rows]),
+            first_segment_ms=ms([s[0] for s in seg]),
+            layer_segments_ms=ms([sum(s[1:-1]) for s in seg]),
+            last_segment_ms=ms([s[-1] for s in seg]),
+            attention_ms=ms([sum(laps.parts["attention"]) for _, laps in rows]),
+        )
+        parts = ("feeds_ms", "first_segment_ms", "layer_segments_ms", "last_segment_ms",
+                 "attention_ms")
+        out["glue_ms"] = round(max(0.0, out["total_ms"] - sum(out[k] for k in parts)), 3)
+    return out
+
+
+def _op_shares(runner: ModelRunner, bundle, context: int, sizes: tuple[int, ...],
+               repeats: int) -> dict[int, dict[str, float]]:
+    """Share of onnxruntime kernel time per op type, per step size (profiled sessions)."""
+    shares = {}
+    with tempfile.TemporaryDirectory(prefix="dsrun-profile-") as tmp:
+        for n in sizes:
+            model = SegmentedModel(bundle, runner.role, runner.model.attention,
+                                   profile_prefix=str(Path(tmp) / f"n{n}"))
+            for _ in range(repeats):
+                _step(runner, model, context, n, None)
+            kernel: Counter = Counter()
+            for sess in model.sessions:
+                for event in json.loads(Path(sess.end_profiling()).read_text()):
+                    if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+                        kernel[event["args"]["op_name"]] += event["dur"]
+            total = sum(kernel.values()) or 1
+            shares[n] = {op: round(d / total, 4) for op, d in kernel.most_common()}
+            del model
+    return shares
+
+
+def _engine_overhead(engine, tokens: int) -> dict:
+    from dspark.runtime.sequence.request import GenerationRequest
+
+    busy0, t0 = engine.main.busy_s, time.perf_counter()
+    [seq] = engine.generate([GenerationRequest(tuple(range(10, 60)), tokens, speculative=False)])
+    wall, busy = time.perf_counter() - t0, engine.main.busy_s - busy0
+    n = max(1, len(seq.generated))
+    return {"tokens": n, "ms_per_token": round(1000 * wall / n, 3),
+            "forward_ms_per_token": round(1000 * busy / n, 3),
+            "engine_ms_per_token": round(1000 * (wall - busy) / n, 3)}
+
+
+def profile_engine(engine, context: int = 100, verify_tokens: int = 5, repeats: int = 20,
+                   ops: bool = True) -> dict:
+    """The profile of the engine's main model (and its draft model, if any)."""
+    bundle = engine.bundle
+    runners = [engine.main] + ([engine.draft_model] if engine.draft_model else [])
+    models = {}
+    for runner in runners:
+        runner.arena.add_sequence(SEQ)
+        try:
+            _step(runner, runner.model, 0, context, None)  # fill the context once
+            runner.arena.reserve(SEQ, runner.pool, 0, context)
+            for _ in range(3):
+                _timed(runner, context, 1, 2)
+            steps = {"decode": _timed(runner, context, 1, repeats),
+                     "verify": _timed(runner, context, verify_tokens, repeats)}
+            report = {"weight_bytes": weight_bytes(runner, bundle), "steps": steps}
+            for step in steps.values():
+                step["gb_per_s"] = round(report["weight_bytes"] / step["total_ms"] / 1e6, 2)
+            if ops and isinstance(runner.model, SegmentedModel):
+                shares = _op_shares(runner, bundle, context, (1, verify_tokens),
+                                    max(5, repeats // 2))
+                report["op_shares"] = {"decode": shares[1], "verify": shares[verify_tokens]}
+            models[runner.role] = report
+        finally:
+            runner.arena.release(SEQ)
+    return {"context": context, "verify_tokens": verify_tokens, "repeats": repeats,
+            "models": models, "engine": _engine_overhead(engine, 64)}
+
+
+def format_profile(p: dict) -> str:
+    lines = [f"profile at a cached context of {p['context']} tokens, median of {p['repeats']}"]
+    for role, m in p["models"].items():
+        lines.append(f"  {role}: {m['weight_bytes'] / 1e6:.1f} MB of weights per forward")
+        for name, s in m["steps"].items():
+            parts = ""
+            if "attention_ms" in s:
+                parts = (f" = feeds {s['feeds_ms']:.2f} + segment 0 {s['first_segment_ms']:.2f}"
+                         f" + layers {s['layer_segments_ms']:.2f} + last {s['last_segment_ms']:.2f}"
+                         f" + attention {s['attention_ms']:.2f} + glue {s['glue_ms']:.2f}")
+            lines.append(f"    {name} ({s['tokens']} tok): {s['total_ms']:.2f} ms{parts}"
+                         f"  [{s['gb_per_s']:.1f} GB/s of weights]")
+        ratio = m["steps"]["verify"]["total_ms"] / m["steps"]["decode"]["total_ms"]
+        lines.append(f"    verify/decode: {ratio:.3f}x")
+        for name, shares in m.get("op_shares", {}).items():
+            top = ", ".join(f"{op} {100 * v:.1f}%" for op, v in list(shares.items())[:8])
+            lines.append(f"    onnxruntime kernel time, {name}: {top}")
+    e = p["engine"]
+    lines.append(f"  engine, plain decoding of {e['tokens']} tokens: {e['ms_per_token']:.2f} "
+                 f"ms/token = forward {e['forward_ms_per_token']:.2f} + scheduling, sampling, "
+                 f"emitting {e['engine_ms_per_token']:.2f}")
+    return "\n".join(lines)

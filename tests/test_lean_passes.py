@@ -1,0 +1,98 @@
+"""Stage-1 leanness: shape arithmetic folded, rotary fused, on every fixture architecture and
+export form. That the rewritten models still match the originals is test_compile's
+`test_verify_matches_original_models` and the lossless generation tests (same bundles)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+
+from dspark.compiler.passes.fold_shapes import reshape_target
+from dspark.compiler.passes.rotary import TableMaker, rotary_tables
+from dspark.runtime.bundle.bundle import open_bundle
+from dspark.runtime.bundle.spec import POSITION_IDS
+
+from model_fixtures import ARCHS, FORMS
+
+PAIRS = [(a, f) for a in ARCHS for f in FORMS]
+SHAPE_OPS = {"Shape", "Size", "ConstantOfShape"}
+
+
+def segment_ops(path, role: str = "main") -> Counter:
+    bundle = open_bundle(path)
+    ops = Counter()
+    for seg in bundle.model(role).segments:
+        model = onnx.load(str(bundle.path(seg.file)), load_external_data=False)
+        ops.update(n.op_type for n in model.graph.node)
+    return ops
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=["-".join(p) for p in PAIRS])
+def test_segments_compute_no_shapes_at_run_time(compiled, pair):
+    for role in ("main", "draft"):
+        ops = segment_ops(compiled[pair], role)
+        assert not SHAPE_OPS & ops.keys(), (role, ops)
+        assert ops["MatMul"] + ops["Gemm"] > 0
+
+
+def test_classic_llama_rotary_is_one_op_per_q_and_k(compiled):
+    ops = segment_ops(compiled[("llama", "classic")])
+    assert ops["RotaryEmbedding"] == 2 * 3  # 3 layers
+    assert not {"Neg", "Slice", "Concat"} & ops.keys(), ops
+    spec = open_bundle(compiled[("llama", "classic")]).model("main")
+    assert spec.max_positions == 2048  # the tables cover the default max_seq_len
+    assert open_bundle(compiled[("gpt2", "classic")]).model("main").max_positions is None
+
+
+def test_reshape_target_moves_in_one_dim_only():
+    assert reshape_target([(1, 3, 9, 64), (1, 4, 9, 64)]).tolist() == [1, -1, 9, 64]
+    assert reshape_target([(1, 3, 576), (1, 5, 576), (1, 4, 576)]).tolist() == [1, -1, 576]
+    assert reshape_target([(1, 3, 9), (2, 4, 9)]) is None  # two dims move
+    assert reshape_target([(1, 3, 9), (1, 3, 9)]) is None  # nothing moves: a constant
+    assert reshape_target([(0, 3, 9), (0, 4, 9)]) is None  # a zero dim means "copy" in ONNX
+    assert reshape_target([(1, 3), (1, 3, 1)]) is None
+
+
+def _cos_sin_graph(dim: int, dynamic: bool) -> tuple[gs.Graph, gs.Variable, gs.Variable]:
+    """position_ids -> cos, sin [1, 1, T, dim] as Hugging Face's rotary computes them;
+    `dynamic` scales the frequencies by the largest position (dynamic NTK-like)."""
+    pos = gs.Variable(POSITION_IDS, np.int64, [1, "T"])
+    inv = gs.Constant("inv", (1.0 / 10000 ** (np.arange(0, dim, 2) / dim)).astype(np.float32))
+    nodes, t = [], gs.Variable("posf", np.float32)
+    nodes.append(gs.Node("Cast", "cast", {"to": onnx.TensorProto.FLOAT}, [pos], [t]))
+    if dynamic:
+        big, scaled = gs.Variable("big", np.float32), gs.Variable("scaled", np.float32)
+        nodes.append(gs.Node("ReduceMax", "max", {"keepdims": 1}, [t], [big]))
+        nodes.append(gs.Node("Div", "div", inputs=[t, big], outputs=[scaled]))
+        t = scaled
+    col, freqs, emb = (gs.Variable(n, np.float32) for n in ("col", "freqs", "emb"))
+    nodes.append(gs.Node("Unsqueeze", "unsq", inputs=[t, gs.Constant("ax", np.array([-1]))],
+                         outputs=[col]))
+    nodes.append(gs.Node("Mul", "mul", inputs=[col, inv], outputs=[freqs]))
+    nodes.append(gs.Node("Concat", "cat", {"axis": -1}, [freqs, freqs], [emb]))
+    cos, sin = gs.Variable("cos", np.float32), gs.Variable("sin", np.float32)
+    nodes.append(gs.Node("Cos", "cos", inputs=[emb], outputs=[cos]))
+    nodes.append(gs.Node("Sin", "sin", inputs=[emb], outputs=[sin]))
+    graph = gs.Graph(nodes=nodes, inputs=[pos], outputs=[cos, sin], opset=17)
+    return graph, cos, sin
+
+
+def test_rotary_tables_are_the_graphs_own_cos_sin():
+    graph, cos, sin = _cos_sin_graph(8, dynamic=False)
+    tables = rotary_tables(TableMaker(graph, cos, sin), 4, 64)
+    assert tables is not None
+    angles = np.arange(64)[:, None] / 10000 ** (np.arange(0, 8, 2) / 8)
+    np.testing.assert_allclose(tables[0], np.cos(angles), atol=1e-6)
+    np.testing.assert_allclose(tables[1], np.sin(angles), atol=1e-6)
+    assert tables[0].shape == (64, 4)
+
+
+def test_rotary_tables_refused_when_a_row_depends_on_the_batch():
+    graph, cos, sin = _cos_sin_graph(8, dynamic=True)
+    assert rotary_tables(TableMaker(graph, cos, sin), 4, 64) is None
+    graph, cos, sin = _cos_sin_graph(8, dynamic=False)
+    assert rotary_tables(TableMaker(graph, cos, sin), 2, 64) is None  # halves are not 2 x 2
