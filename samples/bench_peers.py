@@ -1,7 +1,7 @@
 """dsrun against onnxruntime-genai on the same SmolLM2 weights, alternating processes.
 
     python samples/bench_peers.py --setup        # once: peer venv, HF folder, genai model
-    python samples/bench_peers.py [--repeats 3] [--temperature 0.7]
+    python samples/bench_peers.py [--repeats 3] [--temperature 0.7] [--peer-hugepages]
 
 Systems, each in its own long-lived process (loaded and warmed up once): onnxruntime-genai
 plain and its n-gram lookup (ngram_size 3, 4 draft tokens), dsrun plain (speculation off)
@@ -167,13 +167,24 @@ def worker_cmd(mode: str, args) -> list[str]:
             "--temperature", str(args.temperature), "--prompt-file", str(args.prompt_file)]
 
 
+def worker_env(mode: str, args) -> dict[str, str]:
+    """dsrun workers run with glibc's huge-page tunable, as the dsrun command sets it for
+    itself; onnxruntime-genai as its users run it, or with the same tunable if asked."""
+    from dspark.runtime.env import hugepage_env
+
+    if mode in GENAI_MODES and not args.peer_hugepages:
+        return dict(os.environ)
+    return hugepage_env() or dict(os.environ)
+
+
 def drive(args, count: int) -> dict:
     modes = [*GENAI_MODES, "dsrun-plain", "dsrun-default", *args.dsrun_modes]
     workers = {}
     for mode in modes:
         log(f"starting {mode}")
         workers[mode] = subprocess.Popen(worker_cmd(mode, args), stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, text=True)
+                                         stdout=subprocess.PIPE, text=True,
+                                         env=worker_env(mode, args))
         if workers[mode].stdout.readline().strip() != "ready":
             sys.exit(f"{mode} failed to start")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
@@ -211,7 +222,7 @@ def summarise(runs: dict[str, list[dict]], args) -> dict:
                          "vs_best_genai": tps[mode] / best_peer,
                          "same_as_genai_plain": same if args.temperature == 0 else None})
     return {"max_tokens": args.max_tokens, "repeats": args.repeats,
-            "temperature": args.temperature, "rows": rows,
+            "temperature": args.temperature, "peer_hugepages": args.peer_hugepages, "rows": rows,
             "prompts": {m: [{k: x[k] for k in ("name", "class", "seconds")} | {
                 "tokens": len(x["tokens"])} for x in xs] for m, xs in runs.items()}}
 
@@ -219,7 +230,9 @@ def summarise(runs: dict[str, list[dict]], args) -> dict:
 def format_report(report: dict) -> str:
     lines = [f"{report['max_tokens']} new tokens, temperature {report['temperature']}, "
              f"throughput over a class's prompts x {report['repeats']} repeats, systems "
-             "interleaved per prompt",
+             "interleaved per prompt; dsrun with glibc's huge-page tunable (as `dsrun` sets "
+             "it), onnxruntime-genai " + ("with it too" if report.get("peer_hugepages")
+                                          else "without (as its users run it)"),
              f"{'class':<6}{'system, mode':<16}{'tok/s':>8}{'vs dsrun plain':>16}"
              f"{'vs best genai':>15}  same as genai plain"]
     for r in report["rows"]:
@@ -238,6 +251,8 @@ def main() -> None:
     p.add_argument("--prompt-file", type=Path, default=PROMPTS)
     p.add_argument("--dsrun-modes", nargs="*", default=[],
                    help="more dsrun modes, e.g. dsrun-hybrid dsrun-draft dsrun-lookup")
+    p.add_argument("--peer-hugepages", action="store_true",
+                   help="give onnxruntime-genai glibc's huge-page tunable too (like for like)")
     p.add_argument("--json", type=Path, help="also write the report here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()

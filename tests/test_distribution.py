@@ -89,7 +89,7 @@ def test_speculated_token_follows_main_distribution(setup):
 def _broken(drafts, q, p, rng) -> Acceptance:
     """A classic bug: on rejection, resample from p instead of norm(max(0, p - q))."""
     for i, d in enumerate(drafts):
-        if rng.random() * q[i, d] < p[i, d]:
+        if rng.random() * (1.0 if q[i] is None else q[i][d]) < p[i][d]:
             continue
         return Acceptance(drafts[:i] + [sample(p[i], rng)], i, len(drafts))
     return Acceptance(list(drafts) + [sample(p[len(drafts)], rng)], len(drafts), len(drafts))
@@ -122,7 +122,7 @@ def _lookup_round(p: np.ndarray, proposal: tuple[int, ...], rule, samples: int) 
     state = DraftState()
     for x in proposal:
         state.add(x, "lookup")
-    q = state.q_matrix(len(proposal), p.shape[-1])
+    q = state.q[:len(proposal)]  # None: proposed deterministically (q one-hot)
     return [rule(list(proposal), q, p, np.random.default_rng(i)).tokens for i in range(samples)]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from dspark.runtime.cli.util import run_cli
+from dspark.runtime.cli.util import run_cli, with_hugepages
 from dspark.runtime.errors import DSparkError
 from dspark.runtime.model.device import DEVICES
 from dspark.runtime.sequence.prompt import prompt_ids as encode_prompt
@@ -212,9 +212,11 @@ def inference_server(model: Path, **serve_kwargs) -> None:
 
 
 def main() -> None:
+    with_hugepages()
     run_cli(cli, "dsrun", sys.argv[1:])
 
 
 def inference_server_main() -> None:
+    with_hugepages()
     run_cli(inference_server, "ds-inference-server", sys.argv[1:])
 

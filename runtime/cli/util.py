@@ -6,18 +6,27 @@ unexpected is an internal error (exit 1), with the traceback only under DSPARK_D
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 
 import click
 
-from dspark.runtime.env import read_env
+from dspark.runtime.env import hugepage_env, read_env
 from dspark.runtime.errors import DSparkError
 
 
 def fail(prog: str, message: str, code: int) -> None:
     print(f"{prog}: error: {message}", file=sys.stderr)
     sys.exit(code)
+
+
+def with_hugepages() -> None:
+    """Re-run this command line with glibc's huge-page tunable set (see env.hugepage_env);
+    returns only if it is set already or not wanted."""
+    env = hugepage_env()
+    if env is not None:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 def run_cli(command: click.Command, prog: str, args: list[str] | None = None) -> None:

@@ -41,16 +41,6 @@ class DraftState:
     def clear(self) -> None:
         self.drop(len(self.tokens))
 
-    def q_matrix(self, k: int, vocab: int) -> np.ndarray:
-        """[k, vocab] proposal distributions of the first k drafts (one-hot where none)."""
-        out = np.zeros((k, vocab))
-        for i in range(k):
-            if self.q[i] is None:
-                out[i, self.tokens[i]] = 1.0
-            else:
-                out[i] = self.q[i]
-        return out
-
 
 def settle(state: DraftState, verified: int, accepted: int, main_token: int) -> int:
     """After verification of the first `verified` pending drafts: drop what was used or

@@ -30,7 +30,12 @@ from dspark.runtime.drafting.hybrid import HybridDrafter
 from dspark.runtime.drafting.lookup import LookupDrafter
 from dspark.runtime.drafting.model import ModelDrafter
 from dspark.runtime.drafting.state import DraftState
-from dspark.runtime.engine.acceptance import Acceptance, accept_greedy, accept_sampled
+from dspark.runtime.engine.acceptance import (
+    Acceptance,
+    LazyRows,
+    accept_greedy,
+    accept_sampled,
+)
 from dspark.runtime.engine.emit import emit
 from dspark.runtime.engine.planner import WindowPlanner
 from dspark.runtime.engine.round_plan import RoundPlan, Slot
@@ -258,8 +263,8 @@ def _accept(seq: Sequence, pending: DraftState, k: int, logits: np.ndarray) -> A
     params = seq.request.sampling
     if params.greedy:
         return accept_greedy(pending.tokens[:k], logits)
-    return accept_sampled(pending.tokens[:k], pending.q_matrix(k, logits.shape[-1]),
-                          probabilities(logits, params), seq.rng)
+    p = LazyRows(lambda i: probabilities(logits[i], params))
+    return accept_sampled(pending.tokens[:k], pending.q[:k], p, seq.rng)
 
 
 def _model_drafter(engine: Engine, bundle: Bundle) -> ModelDrafter | None:
