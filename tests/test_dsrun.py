@@ -130,3 +130,22 @@ def test_commands_rerun_with_glibc_hugepages(opt_out):
                          check=True).stdout.strip()
     expect = "glibc.malloc.arena_max=4" + ("" if opt_out else ":glibc.malloc.hugetlb=1")
     assert out == expect
+
+
+def test_bench_profile_accounts_for_the_step(capsys, compiled):
+    """--profile splits a decode and a verify step into parts that add up to the step."""
+    r = run_dsrun(capsys, "bench", "--model", compiled[("llama", "classic")], "--profile",
+                  "--repeats", "1", "--json")
+    assert r.code == 0, r.err
+    report = json.loads(r.out)
+    assert set(report["models"]) == {"main", "draft"}
+    for model in report["models"].values():
+        assert model["weight_bytes"] > 0
+        for step in model["steps"].values():
+            parts = sum(step[k] for k in ("feeds_ms", "first_segment_ms", "layer_segments_ms",
+                                          "last_segment_ms", "attention_ms", "glue_ms"))
+            assert parts == pytest.approx(step["total_ms"], rel=0.4)
+            assert step["attention_ms"] > 0 and step["gb_per_s"] > 0
+        ops = model["op_shares"]["decode"]
+        assert ops["ops"]["MatMul"] > 0 and 0 < ops["kernel_ms"] <= ops["run_ms"]
+    assert report["engine"]["tokens"] > 0 and report["engine"]["engine_ms_per_token"] >= 0

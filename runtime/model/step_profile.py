@@ -99,8 +99,9 @@ def _timed(runner: ModelRunner, context: int, n: int, repeats: int) -> dict:
 
 
 def _op_shares(runner: ModelRunner, bundle, context: int, sizes: tuple[int, ...],
-               repeats: int) -> dict[int, dict[str, float]]:
-    """Share of onnxruntime kernel time per op type, per step size (profiled sessions)."""
+               repeats: int) -> dict[int, dict]:
+    """Per step size (profiled sessions): each op type's share of onnxruntime's kernel time,
+    and per forward its kernel ms and its run() ms (the sessions' own work around them)."""
     shares = {}
     with tempfile.TemporaryDirectory(prefix="dsrun-profile-") as tmp:
         for n in sizes:
@@ -109,12 +110,17 @@ def _op_shares(runner: ModelRunner, bundle, context: int, sizes: tuple[int, ...]
             for _ in range(repeats):
                 _step(runner, model, context, n, None)
             kernel: Counter = Counter()
+            runs = 0.0
             for sess in model.sessions:
                 for event in json.loads(Path(sess.end_profiling()).read_text()):
                     if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
                         kernel[event["args"]["op_name"]] += event["dur"]
+                    elif event.get("cat") == "Session" and event["name"] == "model_run":
+                        runs += event["dur"]
             total = sum(kernel.values()) or 1
-            shares[n] = {op: round(d / total, 4) for op, d in kernel.most_common()}
+            shares[n] = {"kernel_ms": round(total / repeats / 1000, 3),
+                         "run_ms": round(runs / repeats / 1000, 3),
+                         "ops": {op: round(d / total, 4) for op, d in kernel.most_common()}}
             del model
     return shares
 
@@ -175,8 +181,9 @@ def format_profile(p: dict) -> str:
         ratio = m["steps"]["verify"]["total_ms"] / m["steps"]["decode"]["total_ms"]
         lines.append(f"    verify/decode: {ratio:.3f}x")
         for name, shares in m.get("op_shares", {}).items():
-            top = ", ".join(f"{op} {100 * v:.1f}%" for op, v in list(shares.items())[:8])
-            lines.append(f"    onnxruntime kernel time, {name}: {top}")
+            top = ", ".join(f"{op} {100 * v:.1f}%" for op, v in list(shares["ops"].items())[:8])
+            lines.append(f"    onnxruntime, {name} (profiled sessions): run() "
+                         f"{shares['run_ms']:.2f} ms, kernels {shares['kernel_ms']:.2f}: {top}")
     e = p["engine"]
     lines.append(f"  engine, plain decoding of {e['tokens']} tokens: {e['ms_per_token']:.2f} "
                  f"ms/token = forward {e['forward_ms_per_token']:.2f} + scheduling, sampling, "
