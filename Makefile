@@ -1,12 +1,13 @@
 # Two commands on a fresh machine (Python 3.10+, pip, a C compiler not needed):
 #   make demo   set up, build the SmolLM2 sample pair, compile it, generate, benchmark
 #   make test   set up, run the test suite (what CI runs)
+#   make test-fast  the suite without the `slow` tier (SmolLM2, chi-square, Triton interpreter)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 SAMPLE := build/smollm2
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test test-fast lint clean
 
 setup: $(VENV)/.dspark-installed
 
@@ -30,6 +31,9 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest
+
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow" -q
 
 lint: setup
 	$(BIN)/ruff check compiler runtime kernels templates tests samples

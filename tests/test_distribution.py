@@ -77,6 +77,7 @@ def setup(fixture_pairs, compiled):
     return compiled[("llama", "classic")], prompt, first, p
 
 
+@pytest.mark.slow
 def test_speculated_token_follows_main_distribution(setup):
     bundle, prompt, first, p = setup
     tokens = _second_tokens(bundle, prompt, first)
@@ -95,6 +96,7 @@ def _broken(drafts, q, p, rng) -> Acceptance:
     return Acceptance(list(drafts) + [sample(p[len(drafts)], rng)], len(drafts), len(drafts))
 
 
+@pytest.mark.slow
 def test_broken_rule_is_detected(setup, monkeypatch):
     bundle, prompt, first, p = setup
     monkeypatch.setattr(engine_mod, "accept_sampled", _broken)

@@ -68,14 +68,21 @@ def test_greedy_lossless_on_fixtures(fixture_pairs, compiled, pair):
     _check_lossless(compiled[pair], fixture_pairs[pair][0], prompts)
 
 
-def test_speculation_accepts_when_draft_is_main(fixture_pairs, tmp_path):
-    """Draft == main: every draft token is accepted, the bonus path runs every round."""
+@pytest.fixture(scope="module")
+def self_bundle(fixture_pairs, tmp_path_factory):
+    """The llama fixture with itself as the draft: every draft token is accepted."""
     from dspark.compiler.compile import CompileOptions, compile_bundle
     from dspark.compiler.progress import Progress
 
     main, _ = fixture_pairs[("llama", "classic")]
-    out = tmp_path / "self.dsmodel"
+    out = tmp_path_factory.mktemp("self") / "self.dsmodel"
     compile_bundle(CompileOptions(main, main, out), Progress(quiet=True))
+    return out, main
+
+
+def test_speculation_accepts_when_draft_is_main(self_bundle):
+    """Draft == main: every draft token is accepted, the bonus path runs every round."""
+    out, main = self_bundle
     want = OriginalModel(main).greedy([5, 6, 7], 41)
     engine = Engine(open_bundle(out), "fixed", 4)
     engine.balancer.config = VerifyBalanceConfig(steady_tokens_low=8, steady_tokens_mid=8)
@@ -88,6 +95,27 @@ def test_speculation_accepts_when_draft_is_main(fixture_pairs, tmp_path):
     [seq] = engine.generate([GenerationRequest((5, 6, 7), 41, method="draft")])
     assert seq.generated == want
     assert seq.stats.rounds == 10 and seq.stats.accepted_tokens == seq.stats.draft_tokens == 30
+
+
+def test_eos_inside_an_accepted_draft_run(self_bundle):
+    """EOS as the 4th token of a round of 8 accepted drafts + the bonus: generation stops
+    right there (EOS not emitted, finish "stop"), equal to the reference up to it, with the
+    drafts after it dropped and every cache block back."""
+    out, main = self_bundle
+    want = OriginalModel(main).greedy([5, 6, 7], 60)
+    # round 1 (the prompt) gives want[0]; each later round 9 tokens: 8 drafts and a bonus
+    j = next((i for i in range(10, 60) if (i - 1) % 9 == 3 and want[i] not in want[:i]), None)
+    assert j is not None, "no token first seen mid-round in the reference"
+    bundle = open_bundle(out)
+    engine = Engine(bundle, "fixed", 8, eos_ids=(want[j],), config=WIDE)
+    engine.balancer.config = VerifyBalanceConfig(steady_tokens_low=8, steady_tokens_mid=8,
+                                                 batch_cap=False)
+    [seq] = engine.generate([GenerationRequest((5, 6, 7), 60, method="draft")])
+    assert seq.generated == want[:j] and seq.finish_reason == "stop"
+    # the EOS round verified all 8 drafts (EOS the 4th): the output was cut inside the run
+    rounds = (j - 1) // 9 + 1
+    assert seq.stats.draft_tokens == seq.stats.accepted_tokens == 8 * rounds
+    assert engine.arena.free_blocks == bundle.plan.num_blocks
 
 
 @pytest.mark.slow

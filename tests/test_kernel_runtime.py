@@ -42,6 +42,7 @@ def generate(bundle, prompts, max_tokens, **engine_kwargs):
     return engine, seqs
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter path")
 @pytest.mark.parametrize("pair", [("llama", "classic"), ("gpt2", "dynamo")],
                          ids=lambda p: "-".join(p))

@@ -97,6 +97,24 @@ def test_stop_seed_and_sampling(server):
     assert runs[0] == runs[1]
 
 
+def test_stop_string_across_tokens_streamed_and_not(server):
+    """A stop string spanning two tokens (the end of one word, the space, the start of the
+    next): the text is exactly what precedes it, streamed or not, none of it leaked."""
+    client = server.client()
+    kwargs = dict(model=MODEL, prompt="hello world w3", max_tokens=24, temperature=0)
+    base = client.completions.create(**kwargs).choices[0].text
+    words = base.split()
+    stop = words[3][1:] + " " + words[4][:2]
+    at = base.find(stop)
+    assert at > 0, (base, stop)
+    cut = client.completions.create(**kwargs, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == base[:at]
+    stream = client.completions.create(**kwargs, stop=[stop], stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.text for c in chunks) == base[:at]
+    assert chunks[-1].finish_reason == "stop"
+
+
 def test_speculative_extensions(server):
     client = server.client()
     off = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12,

@@ -87,6 +87,7 @@ def _acceptance_and_check(bundle, main_path, prompts):
     return sum(s.stats.accepted_tokens for s in seqs) / sum(s.stats.draft_tokens for s in seqs)
 
 
+@pytest.mark.slow
 def test_mapping_raises_acceptance_and_stays_lossless(capsys, mapped, tmp_path):
     """The seed's case: "🛒 Add to cart" prompts, and plain-word prompts, through a bundle that
     ignores the tokenizer difference (identity map) and one with the draft->main map."""
