@@ -118,6 +118,39 @@ def test_eos_inside_an_accepted_draft_run(self_bundle):
     assert engine.arena.free_blocks == bundle.plan.num_blocks
 
 
+def test_cancel_while_waiting_mid_prefill_and_mid_draft(fixture_pairs, compiled):
+    """Engine.cancel in each phase: a waiting sequence never runs, a half-read prompt and a
+    drafting sequence stop where they are, the sequence beside them finishes exactly as the
+    reference, and every block, reservation and draft state comes back."""
+    pair = ("llama", "classic")
+    bundle = open_bundle(compiled[pair])
+    engine = Engine(bundle, "fixed", 4, max_batch=3, prefill_tokens=8, config=WIDE)
+    keeper = engine.submit(GenerationRequest((5, 6, 7), 30, method="draft"))
+    prefill = engine.submit(GenerationRequest(tuple(range(1, 120)), 30, method="draft"))
+    drafting = engine.submit(GenerationRequest((9, 8, 7), 40, method="draft"))
+    waiting = engine.submit(GenerationRequest((4, 4, 4), 30, method="draft"))
+    engine.step()
+    engine.step()
+    assert 0 < prefill.main_cached < prefill.prompt_len and not prefill.generated
+    assert waiting.id not in engine.arena.tables  # max_batch 3: still queued
+    engine.cancel(prefill)
+    engine.cancel(waiting)
+    while drafting.stats.rounds < 3:
+        engine.step()
+    assert len(engine.drafting.state(drafting)) or drafting.stats.draft_tokens
+    engine.cancel(drafting)
+    cut = list(drafting.generated)
+    while engine.busy:
+        engine.step()
+    assert keeper.generated == OriginalModel(fixture_pairs[pair][0]).greedy([5, 6, 7], 30)
+    assert drafting.generated == cut and 0 < len(cut) < 40
+    assert not prefill.generated and not waiting.generated
+    for seq in (prefill, waiting, drafting):
+        assert seq.finish_reason == "cancelled"
+        assert seq.id not in engine.arena.tables and seq.id not in engine.drafting.states
+    assert engine.arena.free_blocks == bundle.plan.num_blocks and not engine.scheduler.reserved
+
+
 @pytest.mark.slow
 def test_greedy_lossless_on_smollm2(smollm2_pair, smollm2_bundle):
     from dspark.runtime.cli.bench import _ids, load_prompts
