@@ -16,8 +16,8 @@ from dspark.compiler.passes.bind import Meaning, bind_removed_inputs, classify, 
 from dspark.compiler.passes.fold_shapes import fold_shapes, reshaped, shape_derived
 from dspark.compiler.passes.optimize import load_full, optimize
 from dspark.compiler.passes.probe import PROBE_SHAPES, Prober
-from dspark.compiler.passes.segments import SegmentCut, cut_segments, segment_graph
 from dspark.compiler.passes.rotary import fuse_rotary
+from dspark.compiler.passes.segments import SegmentCut, cut_segments, segment_graph
 from dspark.compiler.passes.select_logits import select_logits_rows
 from dspark.compiler.passes.verify_nodes import (
     LayerGeometry,
