@@ -45,11 +45,13 @@ def cli() -> None:
 @click.option("--auto-token-map", is_flag=True, help="map draft tokens to main tokens with "
               "the same string when the tokenizers differ")
 @click.option("--no-aot", is_flag=True, help="skip compiling the kernels to cubin (JIT-only)")
+@click.option("--no-lean", is_flag=True, help="skip stage 1's shape folding and rotary fusion "
+              "(the graph as exported; for A/B and for a model they mishandle)")
 @click.option("--json", "as_json", is_flag=True, help="print the manifest as JSON")
 def compile_cmd(main: Path, draft: Path | None, out: Path, tokenizer: Path | None, force: bool,
                 kv_budget_mb: float, block_size: str, max_seq_len: int, extra: tuple[str, ...],
                 draft_tokenizer: Path | None, token_map: Path | None, auto_token_map: bool,
-                no_aot: bool, as_json: bool) -> None:
+                no_aot: bool, no_lean: bool, as_json: bool) -> None:
     """Compile MAIN and DRAFT (ONNX, with KV-cache I/O) into the bundle OUT. Without DRAFT
     the bundle drafts by lookup in each request's own context (no draft model)."""
     extras = []
@@ -60,7 +62,7 @@ def compile_cmd(main: Path, draft: Path | None, out: Path, tokenizer: Path | Non
         extras.append((name, Path(path)))
     opts = CompileOptions(main, draft, out, tokenizer, force, kv_budget_mb, int(block_size),
                           max_seq_len, tuple(extras), draft_tokenizer, token_map,
-                          auto_token_map, not no_aot)
+                          auto_token_map, not no_aot, not no_lean)
     progress = Progress()
     manifest = compile_bundle(opts, progress)
     if as_json:

@@ -46,6 +46,7 @@ class CompileOptions:
     token_map: Path | None = None
     auto_token_map: bool = False
     aot: bool = True  # compile the kernels to cubin (else the bundle is JIT-only)
+    lean: bool = True  # stage 1's shape folding and rotary fusion (off: the graph as exported)
 
     def __post_init__(self) -> None:
         names = [n for n, _ in self.extra_drafts]
@@ -62,7 +63,7 @@ class CompileOptions:
     def flags(self) -> dict:
         return {"kv_budget_mb": self.kv_budget_mb, "block_size": self.block_size,
                 "max_seq_len": self.max_seq_len,
-                "extra_drafts": [n for n, _ in self.extra_drafts]}
+                "extra_drafts": [n for n, _ in self.extra_drafts], "lean": self.lean}
 
     def vocab_checked(self, role: str) -> bool:
         """A draft with a token map may have its own vocabulary."""
@@ -129,8 +130,8 @@ def compile_bundle(opts: CompileOptions, progress: Progress) -> dict:
     """Compile and publish the bundle; returns the manifest."""
     contracts, tokenizer, mapping = check_inputs(opts)
     with tempfile.TemporaryDirectory(prefix="dsc-") as work, staged_bundle(opts.out) as tmp:
-        built = {r: compile_model(contracts[r], r, Path(work), tmp, progress, opts.max_seq_len)
-                 for r in opts.roles}
+        built = {r: compile_model(contracts[r], r, Path(work), tmp, progress, opts.max_seq_len,
+                                  opts.lean) for r in opts.roles}
         specs = {r: spec for r, (spec, _) in built.items()}
         vocab = {r: s.vocab_size for r, s in specs.items()}
         for role in (r for r in opts.roles[1:] if opts.vocab_checked(r)):

@@ -79,7 +79,7 @@ class Rewritten:
 
 
 def rewrite(graph: gs.Graph, contract: InputContract, role: str, progress: Progress,
-            opt_path: Path, max_positions: int) -> Rewritten:
+            opt_path: Path, max_positions: int, lean: bool = True) -> Rewritten:
     matches = find_attentions(graph, contract)
     analysis = ModelAnalysis(opt_path, contract, graph, matches)
     counts = {
@@ -90,8 +90,9 @@ def rewrite(graph: gs.Graph, contract: InputContract, role: str, progress: Progr
     counts["inputs_bound"] = bind_removed_inputs(graph, set(contract.removed_inputs),
                                                  analysis.meanings, role, contract.path)
     graph.cleanup().toposort()
-    counts["shapes_folded"] = fold_shapes(graph, analysis.shape_samples, role)
-    counts["rotary_fused"], counts["rotary_unfused"] = fuse_rotary(graph, role, max_positions)
+    if lean:
+        counts["shapes_folded"] = fold_shapes(graph, analysis.shape_samples, role)
+        counts["rotary_fused"], counts["rotary_unfused"] = fuse_rotary(graph, role, max_positions)
     counts["logits_rows_selected"] = select_logits_rows(graph)
     graph.toposort()
     progress.say(f"{role}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
@@ -142,15 +143,17 @@ def op_counts(nodes) -> dict[str, int]:
 
 
 def compile_model(contract: InputContract, role: str, work: Path, out: Path,
-                  progress: Progress, max_positions: int) -> tuple[ModelSpec, dict]:
+                  progress: Progress, max_positions: int, lean: bool = True
+                  ) -> tuple[ModelSpec, dict]:
     """The model's spec and its stage-1 report (ops before and after, pass counts).
-    `max_positions`: rotary tables cover positions below it (the bundle's max_seq_len)."""
+    `max_positions`: rotary tables cover positions below it (the bundle's max_seq_len);
+    `lean`: run the shape-folding and rotary passes."""
     before = op_counts(onnx.load(str(contract.path), load_external_data=False).graph.node)
     with progress.stage(f"optimize {role}"):
         opt_path = optimize(contract, work, role)
         graph = gs.import_onnx(load_full(opt_path))
     with progress.stage(f"verify-nodes {role}"):
-        done = rewrite(graph, contract, role, progress, opt_path, max_positions)
+        done = rewrite(graph, contract, role, progress, opt_path, max_positions, lean)
         matches = done.matches
         geo = _uniform(done.geometry, contract)
         cuts, after = cut_segments(graph)
@@ -169,5 +172,5 @@ def compile_model(contract: InputContract, role: str, work: Path, out: Path,
         kv_dtype=_KV_DTYPES.get(contract.kv_dtype, "float32"),
         inputs=tuple(t.name for t in graph.inputs), graph_file=graph_file,
         weights_file=weights_file, segments=segments, verify_ops=tuple(ops),
-        max_positions=max_positions if done.counts["rotary_fused"] else None,
+        max_positions=max_positions if done.counts.get("rotary_fused") else None,
     ), report

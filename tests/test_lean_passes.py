@@ -96,3 +96,22 @@ def test_rotary_tables_refused_when_a_row_depends_on_the_batch():
     assert rotary_tables(TableMaker(graph, cos, sin), 4, 64) is None
     graph, cos, sin = _cos_sin_graph(8, dynamic=False)
     assert rotary_tables(TableMaker(graph, cos, sin), 2, 64) is None  # halves are not 2 x 2
+
+
+def test_no_lean_compiles_the_graph_as_exported_with_the_same_output(fixture_pairs, compiled,
+                                                                      tmp_path):
+    from dspark.compiler.compile import CompileOptions, compile_bundle
+    from dspark.compiler.progress import Progress
+    from dspark.runtime.engine.engine import Engine
+    from dspark.runtime.sequence.request import GenerationRequest
+
+    main, draft = fixture_pairs[("llama", "classic")]
+    out = tmp_path / "plain.dsmodel"
+    manifest = compile_bundle(CompileOptions(main, draft, out, lean=False), Progress(quiet=True))
+    assert manifest["flags"]["lean"] is False
+    ops = segment_ops(out)
+    assert {"Shape", "Neg"} <= ops.keys() and "RotaryEmbedding" not in ops
+    request = GenerationRequest((3, 1, 4, 1, 5), 24, method="draft")
+    runs = [Engine(open_bundle(b), "fixed", 4).generate([request])[0].generated
+            for b in (out, compiled[("llama", "classic")])]
+    assert runs[0] == runs[1]
