@@ -4,6 +4,8 @@ machine has one (the same tests, `kernel_device`)."""
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -51,6 +53,13 @@ def _batch(rng, spec: KernelSpec, window: int, num_blocks: int = 48, long: bool 
     return i32(tables), i32(starts), i32(news), i32(qoff), sum(news)
 
 
+def _seeded(*case) -> tuple[np.random.Generator, torch.Generator]:
+    """Generators seeded by the test case itself, the same in every process (hash() of a
+    str is salted per process)."""
+    seed = zlib.crc32(repr(case).encode())
+    return np.random.default_rng(seed), torch.Generator().manual_seed(seed)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(("window", "splits"), [(1, 1), (8, 1), (21, 1), (1, 3), (8, 3)])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"d{g[0]}h{g[1]}kv{g[2]}")
@@ -61,13 +70,13 @@ def test_verify_attention_matches_reference(geometry, window, splits, dtype, ker
     head_dim, heads, kv_heads = geometry
     block = 32 if head_dim == 20 else 16
     spec = KernelSpec(head_dim, heads, kv_heads, block, dtype, q_tile=8)
-    rng = np.random.default_rng(hash((geometry, window, dtype)) % 2**32)
+    rng, gen = _seeded(geometry, window, splits, dtype)
     tables, start, new, qoff, tokens = _batch(rng, spec, window, long=splits > 1)
     t = DTYPES[dtype]
     dev = kernel_device
-    k = torch.randn(48, kv_heads, block, head_dim).to(dev, t)
-    v = torch.randn(48, kv_heads, block, head_dim).to(dev, t)
-    q = torch.randn(tokens, heads, head_dim).to(dev, t)
+    k = torch.randn(48, kv_heads, block, head_dim, generator=gen).to(dev, t)
+    v = torch.randn(48, kv_heads, block, head_dim, generator=gen).to(dev, t)
+    q = torch.randn(tokens, heads, head_dim, generator=gen).to(dev, t)
     tables, start, new, qoff = (x.to(dev) for x in (tables, start, new, qoff))
     scale = head_dim ** -0.5
     library = KernelLibrary(spec, str(tmp_path), interpret=dev.type == "cpu")
@@ -81,11 +90,12 @@ def test_verify_attention_matches_reference(geometry, window, splits, dtype, ker
 def test_kv_inject_and_zero_match_reference(head_dim, dtype, kernel_device, tmp_path):
     spec = KernelSpec(head_dim, 6, 3, 16, dtype)
     t, dev = DTYPES[dtype], kernel_device
-    k_pool = torch.randn(10, 3, 16, head_dim).to(dev, t)
-    v_pool = torch.randn(10, 3, 16, head_dim).to(dev, t)
+    _, gen = _seeded(head_dim, dtype)
+    k_pool = torch.randn(10, 3, 16, head_dim, generator=gen).to(dev, t)
+    v_pool = torch.randn(10, 3, 16, head_dim, generator=gen).to(dev, t)
     pools = [k_pool, v_pool, k_pool.clone(), v_pool.clone()]
-    k_new = torch.randn(7, 3, head_dim).to(dev, t)
-    v_new = torch.randn(7, 3, head_dim).to(dev, t)
+    k_new = torch.randn(7, 3, head_dim, generator=gen).to(dev, t)
+    v_new = torch.randn(7, 3, head_dim, generator=gen).to(dev, t)
     block = torch.tensor([3, 3, 8, 0, 9, 9, 2], dtype=torch.int32, device=dev)
     offset = torch.tensor([0, 1, 15, 7, 4, 5, 11], dtype=torch.int32, device=dev)
     library = KernelLibrary(spec, str(tmp_path), interpret=dev.type == "cpu")

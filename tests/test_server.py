@@ -52,6 +52,23 @@ def test_greedy_over_http_equals_dsrun_generate(server, tok_bundle, capsys):
     assert resp.choices[0].message.content == json.loads(r.out)["text"]
 
 
+def test_greedy_over_http_equals_the_original_model(server, tok_bundle, fixture_pairs):
+    """The served text is the original ONNX model's own greedy loop, decoded."""
+    from dspark.compiler.reference import OriginalModel
+    from dspark.runtime.bundle.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tok_bundle / "tokenizer")
+    prompt = "hello world w5 w9 w17"
+    want = OriginalModel(fixture_pairs[("llama", "classic")][0]).greedy(
+        list(tokenizer.encode(prompt)), 24)
+    for method in ("draft", "lookup"):
+        resp = server.client().completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+            extra_body={"speculative_config": {"method": method}})
+        assert resp.choices[0].text == tokenizer.decode(want), method
+        assert resp.usage.completion_tokens == len(want)
+
+
 def test_streaming_matches_non_streaming(server):
     client = server.client()
     kwargs = dict(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
