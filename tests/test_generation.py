@@ -151,6 +151,31 @@ def test_cancel_while_waiting_mid_prefill_and_mid_draft(fixture_pairs, compiled)
     assert engine.arena.free_blocks == bundle.plan.num_blocks and not engine.scheduler.reserved
 
 
+def test_arena_grows_under_a_live_sequence(fixture_pairs, tmp_path):
+    """A resize that needs more blocks than the arena has, between steps of a running
+    sequence: the arena moves to a new buffer (blocks copied in place), the attention picks
+    it up, and the output stays the original model's."""
+    from dspark.compiler.compile import CompileOptions, compile_bundle
+    from dspark.compiler.progress import Progress
+
+    main, draft = fixture_pairs[("gpt2", "classic")]
+    out = tmp_path / "small.dsmodel"
+    compile_bundle(CompileOptions(main, draft, out, kv_budget_mb=1, max_seq_len=160),
+                   Progress(quiet=True))
+    bundle = open_bundle(out)
+    engine = Engine(bundle, "fixed", 4, config=WIDE)
+    seq = engine.submit(GenerationRequest(tuple(range(3, 40)), 48, method="draft"))
+    while len(seq.generated) < 10:
+        engine.step()
+    blocks, generation = engine.arena.plan.num_blocks, engine.arena.generation
+    engine.resize(20 * 160)
+    assert engine.arena.plan.num_blocks > blocks and engine.arena.generation == generation + 1
+    while engine.busy:
+        engine.step()
+    assert seq.generated == OriginalModel(main).greedy(list(range(3, 40)), 48)
+    assert engine.arena.free_blocks == engine.arena.plan.num_blocks
+
+
 @pytest.mark.slow
 def test_greedy_lossless_on_smollm2(smollm2_pair, smollm2_bundle):
     from dspark.runtime.cli.bench import _ids, load_prompts
