@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dspark.runtime.cli.bench import leviathan_bound, solve_alpha
-from dspark.runtime.engine.acceptance import accept_greedy, accept_sampled
+from dspark.runtime.engine.acceptance import Acceptance, LazyRows, accept_greedy, accept_sampled
 from dspark.runtime.errors import DSparkError
 from dspark.runtime.sequence.sampling import SamplingParams, probabilities, sample
 
@@ -39,6 +39,63 @@ def test_sampled_acceptance_reproduces_p():
         counts[accept_sampled(drafts, q, p, rng).tokens[0]] += 1
     sigma = np.sqrt(p[0] * (1 - p[0]) / n)
     assert np.all(np.abs(counts / n - p[0]) < 4 * sigma + 1e-9)
+
+
+def _rounds(rule, p, q, n, rng):
+    """Emitted tokens of n rounds, drafts sampled from q (None rows: a lookup's fixed x)."""
+    fixed = [int(p[i].argmax()) for i in range(len(q))]
+    out = []
+    for _ in range(n):
+        drafts = [fixed[i] if q[i] is None else sample(q[i], rng) for i in range(len(q))]
+        out.append(rule(drafts, q, LazyRows(lambda i: p[i]), rng).tokens)
+    return out
+
+
+def _position_pvalue(rounds, p, j) -> tuple[float, int]:
+    from scipy.stats import chisquare
+
+    tokens = np.array([r[j] for r in rounds if len(r) > j])
+    expected = p[j] * len(tokens)
+    counts = np.bincount(tokens, minlength=len(p[j]))
+    return float(chisquare(counts, expected).pvalue), len(tokens)
+
+
+@pytest.mark.parametrize("kind", ["model", "mapped", "mixed"])
+def test_sampled_acceptance_exact_at_every_position_and_the_bonus(kind):
+    """Each emitted token, at draft positions 1..4 and the bonus, follows that position's p
+    among the rounds that reached it: for model drafts (q dense), token-map-restricted drafts
+    (q zero off the mapped ids) and a lookup proposal mixed in (q one-hot)."""
+    rng = np.random.default_rng(3)
+    vocab, w = 6, 4
+    p = rng.dirichlet(np.ones(vocab) * 2, size=w + 1)
+    q = list(rng.dirichlet(np.ones(vocab) * 2, size=w))
+    if kind == "mapped":
+        for row in q:
+            row[rng.choice(vocab, 2, replace=False)] = 0.0
+            row /= row.sum()
+    if kind == "mixed":
+        q[1] = None
+    rounds = _rounds(accept_sampled, p, q, 30000, rng)
+    for j in range(w + 1):
+        pvalue, n = _position_pvalue(rounds, p, j)
+        assert n > 1000 and pvalue > 1e-3, (j, n, pvalue)
+
+
+def test_a_broken_residual_fails_at_later_positions():
+    """Resampling from p instead of the residual max(0, p - q) on rejection: caught."""
+    def broken(drafts, q, p, rng):
+        for i, d in enumerate(drafts):
+            if rng.random() * q[i][d] < p[i][d]:
+                continue
+            return Acceptance(drafts[:i] + [sample(p[i], rng)], i, len(drafts))
+        return Acceptance(list(drafts) + [sample(p[len(drafts)], rng)], len(drafts),
+                          len(drafts))
+
+    rng = np.random.default_rng(4)
+    p = rng.dirichlet(np.ones(6) * 2, size=5)
+    q = list(rng.dirichlet(np.ones(6) * 2, size=4))
+    rounds = _rounds(broken, p, q, 30000, rng)
+    assert min(_position_pvalue(rounds, p, j)[0] for j in range(4)) < 1e-6
 
 
 def test_identical_draft_is_always_accepted():
