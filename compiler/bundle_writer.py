@@ -17,7 +17,10 @@ from dspark.runtime.errors import DSparkError
 
 
 def check_output(out: Path, force: bool) -> None:
-    """Refuse early (before any work) an OUT that exists or cannot be written."""
+    """Refuse early (before any work) an OUT that exists, is a symlink or cannot be written."""
+    if out.is_symlink():
+        raise DSparkError(f"{out}: is a symbolic link (to {os.readlink(out)}); give the "
+                          "bundle's real path")
     if out.exists() and not force:
         raise DSparkError(f"{out}: already exists; pass --force to replace it")
     if out.exists() and not out.is_dir():

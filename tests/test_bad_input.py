@@ -97,6 +97,21 @@ def test_output_exists_without_force(capsys, llama, outdir):
     assert (outdir / "b.dsmodel" / "keep.txt").read_text() == "mine"
 
 
+def test_output_that_is_a_symlink_is_refused(capsys, llama, tmp_path):
+    """OUT as a symlink (here to a folder elsewhere) is refused before any work, with or
+    without --force, and what it points to is left alone."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("mine")
+    link = tmp_path / "b.dsmodel"
+    link.symlink_to(elsewhere)
+    for force in ((), ("--force",)):
+        r = run_dsc(capsys, "compile", *llama, "-o", link, *force)
+        _refused(r, "b.dsmodel", "symbolic link")
+    assert link.is_symlink() and (elsewhere / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.dsmodel", "elsewhere"]
+
+
 def test_unwritable_output(capsys, llama, tmp_path):
     target = tmp_path / "ro"
     target.mkdir()

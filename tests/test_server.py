@@ -260,6 +260,28 @@ def test_resize_refused_past_the_rotary_tables(tok_bundle):
         assert r.status_code == 200 and r.json()["max_length"] == 64
 
 
+def test_request_body_over_the_limit_is_413(tok_bundle):
+    """Declared (Content-Length) or chunked, a body past --max-body-mb is refused in OpenAI's
+    error shape before it is parsed; the server keeps serving."""
+    with LiveServer(tok_bundle, max_body_bytes=4096, warmup=False) as live:
+        url = f"{live.url}/v1/completions"
+        big = {"model": MODEL, "prompt": "w1 " * 3000, "max_tokens": 2}
+        r = httpx.post(url, json=big, timeout=30)
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["code"] == "request_too_large"
+
+        def chunks():
+            body = json.dumps(big).encode()
+            for i in range(0, len(body), 1000):
+                yield body[i:i + 1000]
+
+        r = httpx.post(url, content=chunks(), timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "limit of 4096 bytes" in r.json()["error"]["message"]
+        ok = live.client().completions.create(model=MODEL, prompt="hello world", max_tokens=3)
+        assert ok.usage.completion_tokens == 3
+
+
 def test_api_key(tok_bundle):
     with LiveServer(tok_bundle, api_key="s3cret", warmup=False) as live:
         e = _error(lambda: live.client().models.list())

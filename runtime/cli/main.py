@@ -37,6 +37,8 @@ def serve_options(fn):
         click.option("--max-batch", type=click.IntRange(1, 1024), default=16, show_default=True),
         click.option("--max-queue", type=click.IntRange(1, 100000), default=256,
                      show_default=True, help="waiting requests before 429"),
+        click.option("--max-body-mb", type=click.FloatRange(min=0.001), default=8.0,
+                     show_default=True, help="larger request bodies get a 413"),
         click.option("--no-warmup", is_flag=True, help="skip the warm-up at start"),
         click.option("--config", "config_path", type=PathArg, help="dflash_config.json to use"),
         click.option("--policy", help="window policy (default: the config's)"),
@@ -49,13 +51,14 @@ def serve_options(fn):
     return fn
 
 
-def _serve(model: Path, host, port, api_key, max_batch, max_queue, no_warmup, config_path,
-           policy, name, device) -> None:
+def _serve(model: Path, host, port, api_key, max_batch, max_queue, max_body_mb, no_warmup,
+           config_path, policy, name, device) -> None:
     from dspark.runtime.server.run import serve
 
     click.echo(f"[dsrun] serving {model} on http://{host}:{port}/v1", err=True)
     serve(model, host, port, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
-          warmup=not no_warmup, config=config_path, policy=policy, name=name, device=device)
+          max_body_bytes=int(max_body_mb * 2**20), warmup=not no_warmup, config=config_path,
+          policy=policy, name=name, device=device)
 
 
 @click.group(invoke_without_command=True,

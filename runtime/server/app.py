@@ -23,6 +23,7 @@ from dspark.runtime.sequence.request import GenerationRequest, Sequence
 from dspark.runtime.sequence.sampling import SamplingParams
 from dspark.runtime.sequence.validate import draft_role, validate
 from dspark.runtime.server import errors
+from dspark.runtime.server.body_limit import BodyLimit
 from dspark.runtime.server.errors import APIError
 from dspark.runtime.server.metrics import Metrics
 from dspark.runtime.server.protocol import (
@@ -47,6 +48,7 @@ class ServerState:
     metrics: Metrics
     api_key: str | None = None
     created: int = 0
+    max_body_bytes: int = 8 * 2**20  # larger request bodies get a 413
 
 
 def create_app(state: ServerState, warmup: bool = True) -> FastAPI:
@@ -58,6 +60,7 @@ def create_app(state: ServerState, warmup: bool = True) -> FastAPI:
 
     app = FastAPI(title="DSpark", docs_url=None, redoc_url=None, lifespan=lifespan)
     errors.install(app)
+    app.add_middleware(BodyLimit, max_bytes=state.max_body_bytes)
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):

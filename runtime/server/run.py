@@ -19,7 +19,8 @@ def model_id(bundle: Path) -> str:
 
 def build_app(model: Path, api_key: str | None = None, max_batch: int = 16,
               max_queue: int = 256, warmup: bool = True, config: Path | None = None,
-              policy: str | None = None, name: str | None = None, device: str = "auto"):
+              policy: str | None = None, name: str | None = None, device: str = "auto",
+              max_body_bytes: int = 8 * 2**20):
     engine, tokenizer = load_engine(model, max_batch=max_batch, policy=policy, config=config,
                                     warmup=False, device=device)
     served = name or model_id(model)
@@ -27,7 +28,7 @@ def build_app(model: Path, api_key: str | None = None, max_batch: int = 16,
     service = EngineService(engine, max_queue, on_step=metrics.on_step,
                             on_cancel=metrics.forget)
     state = ServerState(service, tokenizer, served, metrics,
-                        api_key or read_env().api_key, int(time.time()))
+                        api_key or read_env().api_key, int(time.time()), max_body_bytes)
     return create_app(state, warmup), state
 
 
