@@ -48,8 +48,10 @@ def test_extra_draft_is_bundled(two_drafts):
 
 def test_ras_degrades_and_recovers_without_failing_requests(two_drafts):
     path, main = two_drafts
+    # degrade_after_s 0: the switch follows the arena's use step by step, with no wall-clock
+    # dependence (the debounce itself is test_ras_debounces_on_the_clock_it_is_given)
     config = DFlashConfig(resources=ResourceConfig(
-        table=(ResourceRow("cpu", 8),), degrade_usage=0.3, degrade_after_s=0.05))
+        table=(ResourceRow("cpu", 8),), degrade_usage=0.3, degrade_after_s=0.0))
     engine = Engine(open_bundle(path), "fixed", 8, config=config, max_batch=8)
     assert engine.draft_model.role == "draft" and engine.resources.window_cap == 16
     original = OriginalModel(main)
@@ -61,17 +63,30 @@ def test_ras_degrades_and_recovers_without_failing_requests(two_drafts):
         engine.step()
         modes.append((engine.resources.degraded, engine.draft_model.role,
                       engine.resources.window_cap, engine.arena.delta_log))
-        time.sleep(0.005)
     assert (True, "draft_small", 6, False) in modes  # degraded: small draft, cap 6, no log
     for p, seq in zip(prompts, seqs):
         assert seq.generated == original.greedy(p, 100)
     light = engine.submit(GenerationRequest((1, 2, 3), 40, method="draft"))
     while engine.busy:
         engine.step()
-        time.sleep(0.01)
+    engine.maintain()  # the tick after the last step sees the emptied arena
     assert not engine.resources.degraded and engine.draft_model.role == "draft"  # recovered
     assert light.generated == original.greedy([1, 2, 3], 40)
     assert engine.resources.switches >= 2
+
+
+def test_ras_debounces_on_the_clock_it_is_given():
+    """Use past the threshold must last degrade_after_s before the mode flips, either way."""
+    from dspark.runtime.dflash.ras import Device, ResourceManager
+
+    config = ResourceConfig(table=(ResourceRow("cpu", 8),), degrade_usage=0.5,
+                            degrade_after_s=10.0)
+    ras = ResourceManager(config, Device("cpu", "cpu", 24.0, 2), {"draft": 2, "draft_small": 1})
+    assert not ras.tick(0.0, 0.9) and not ras.tick(9.9, 0.9)  # pressed, not long enough
+    assert ras.tick(10.0, 0.9) and ras.degraded and ras.draft == "draft_small"
+    assert not ras.tick(11.0, 0.1) and not ras.tick(15.0, 0.9)  # a dip resets the clock
+    assert not ras.tick(16.0, 0.1) and ras.tick(26.0, 0.1) and not ras.degraded
+    assert ras.switches == 2
 
 
 def test_short_tenant_is_not_starved_by_long_prompts(compiled):

@@ -115,3 +115,27 @@ def test_no_lean_compiles_the_graph_as_exported_with_the_same_output(fixture_pai
     runs = [Engine(open_bundle(b), "fixed", 4).generate([request])[0].generated
             for b in (out, compiled[("llama", "classic")])]
     assert runs[0] == runs[1]
+
+
+def test_a_flattened_batch_longer_than_the_rotary_tables(fixture_pairs, tmp_path):
+    """Four 40-token prompts read in one forward: 160 tokens in the flattened batch against
+    rotary tables of 64 positions, every sequence within them; onnxruntime's op refuses a
+    sequence longer than its tables, so the fused rotary runs one token per batch row."""
+    from dspark.compiler.compile import CompileOptions, compile_bundle
+    from dspark.compiler.progress import Progress
+    from dspark.compiler.reference import OriginalModel
+    from dspark.runtime.engine.engine import Engine
+    from dspark.runtime.sequence.request import GenerationRequest
+
+    main, draft = fixture_pairs[("llama", "classic")]
+    out = tmp_path / "short.dsmodel"
+    compile_bundle(CompileOptions(main, draft, out, max_seq_len=64), Progress(quiet=True))
+    assert open_bundle(out).model("main").max_positions == 64
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(0, 320, 40)] for _ in range(4)]
+    engine = Engine(open_bundle(out), "fixed", 4, max_batch=4, prefill_tokens=256)
+    seqs = engine.generate([GenerationRequest(tuple(p), 16, method="draft") for p in prompts])
+    assert engine.main.tokens >= 160 and engine.main.forwards < engine.main.tokens / 4
+    reference = OriginalModel(main)
+    for p, seq in zip(prompts, seqs):
+        assert seq.generated == reference.greedy(p, 16)

@@ -292,23 +292,34 @@ def test_api_key(tok_bundle):
 
 
 def test_queue_full_is_429(tok_bundle):
-    with LiveServer(tok_bundle, max_batch=1, max_queue=1, warmup=False) as live:
+    """Event-driven: a blocking call holds the engine thread, so requests queue; past
+    --max-queue the next gets a 429 with Retry-After; once released, the queued complete."""
+    import time
+
+    with LiveServer(tok_bundle, max_batch=1, max_queue=2, warmup=False) as live:
+        service, gate = live.state.service, threading.Event()
+        service.commands.put(("call", (lambda e: gate.wait(30), None, None)))
         results = []
 
         def ask() -> None:
-            try:
-                live.client().completions.create(model=MODEL, prompt="hello world",
-                                                 max_tokens=40, temperature=0)
-                results.append("ok")
-            except openai.RateLimitError:
-                results.append("429")
+            r = live.client().completions.create(model=MODEL, prompt="hello world",
+                                                 max_tokens=8, temperature=0)
+            results.append(r.usage.completion_tokens)
 
-        threads = [threading.Thread(target=ask) for _ in range(8)]
+        threads = [threading.Thread(target=ask) for _ in range(2)]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + 30
+        while service.commands.qsize() < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        r = httpx.post(f"{live.url}/v1/completions", timeout=30,
+                       json={"model": MODEL, "prompt": "hello", "max_tokens": 2})
+        gate.set()
         for t in threads:
             t.join()
-        assert "429" in results and "ok" in results
+        assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        assert results == [8, 8]
 
 
 def test_drafting_methods_over_http(server):

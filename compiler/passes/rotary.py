@@ -7,9 +7,10 @@ Classic exports spell Hugging Face's rotate_half rotary in eight ops per tensor:
     x ----------------------------------------Mul(cos)--+--Add--> y       (h = head_dim / 2)
 cos and sin are [..., T, head_dim] functions of position_ids (each half repeated). They
 become tables [max_positions, h] that the contrib op (com.microsoft, CPU and CUDA) reads at
-position_ids:
+position_ids, one token per batch row (see _emit for why):
 
-    x [1, heads, T, head_dim] --RotaryEmbedding(position_ids, cos_table, sin_table)--> y
+    x_pre [1, T, heads, head_dim] -> [T, 1, heads * head_dim]
+        --RotaryEmbedding(position_ids [T, 1], cos_table, sin_table)--> back to y
 The tables come from running the graph's own cos/sin subgraph over every position. They are
 used only if each position's row is the same whichever other positions are in the batch
 (dynamic rope scaling, where they are not, stays unfused), and only for a y that
@@ -172,13 +173,53 @@ def rotary_tables(maker: TableMaker, half: int, max_positions: int
     return tuple(np.ascontiguousarray(t[:, :half], dtype=np.float32) for t in full)
 
 
-def _positions(graph: gs.Graph) -> gs.Variable:
+def _positions(graph: gs.Graph, role: str) -> gs.Variable:
+    """position_ids as int64 [T, 1]: one token per batch row (see _emit)."""
     pos = next(t for t in graph.inputs if t.name == POSITION_IDS)
-    if np.dtype(pos.dtype) == np.int64:
-        return pos
-    cast = gs.Variable(f"{POSITION_IDS}/int64", dtype=np.int64)
-    graph.nodes.append(gs.Node("Cast", f"/{POSITION_IDS}/Cast", {"to": 7}, [pos], [cast]))
-    return cast
+    name = f"/{role}/rotary/positions"
+    if np.dtype(pos.dtype) != np.int64:
+        cast = gs.Variable(f"{name}/int64", dtype=np.int64)
+        graph.nodes.append(gs.Node("Cast", f"{name}/Cast", {"to": 7}, [pos], [cast]))
+        pos = cast
+    tokens = pos.shape[-1] if pos.shape else "tokens"
+    column = gs.Variable(f"{name}/column", dtype=np.int64, shape=[tokens, 1])
+    graph.nodes.append(gs.Node("Reshape", f"{name}/Reshape",
+                               inputs=[pos, gs.Constant(f"{name}/shape", np.array([-1, 1]))],
+                               outputs=[column]))
+    return column
+
+
+def _heads_first(x: gs.Tensor) -> gs.Tensor | None:
+    """x_pre if x = Transpose(x_pre, perm 0,2,1,3) ([1, T, heads, dim] -> [1, heads, T, dim])."""
+    node = _producer(x, "Transpose")
+    if node is None or list(node.attrs.get("perm", [])) != [0, 2, 1, 3]:
+        return None
+    return node.inputs[0]
+
+
+def _emit(graph: gs.Graph, m: RotaryMatch, name: str, heads: int, positions: gs.Variable,
+          tables: tuple[gs.Constant, gs.Constant]) -> None:
+    """The op on one token per batch row: onnxruntime refuses a sequence longer than its
+    tables, and a flattened batch of many sequences may hold more tokens than any one can.
+
+        x_pre [1, T, heads, dim] --Reshape--> [T, 1, heads*dim] --RotaryEmbedding(positions
+        [T, 1])--> --Reshape--> [1, T, heads, dim] --Transpose(0,2,1,3)--> y [1, heads, T, dim]
+    """
+    dim = 2 * m.half
+    y = m.add.outputs[0]
+    m.add.outputs.clear()
+    rows, out, back = (gs.Variable(f"{name}/{k}", dtype=y.dtype) for k in ("rows", "out", "back"))
+    graph.nodes += [
+        gs.Node("Reshape", f"{name}/to_rows", inputs=[
+            _heads_first(m.x), gs.Constant(f"{name}/rows_shape", np.array([-1, 1, heads * dim]))],
+            outputs=[rows]),
+        gs.Node("RotaryEmbedding", name, {"interleaved": 0, "num_heads": heads},
+                [rows, positions, *tables], [out], domain=CONTRIB),
+        gs.Node("Reshape", f"{name}/to_tokens", inputs=[
+            out, gs.Constant(f"{name}/tokens_shape", np.array([1, -1, heads, dim]))],
+            outputs=[back]),
+        gs.Node("Transpose", f"{name}/Transpose", {"perm": [0, 2, 1, 3]}, [back], [y]),
+    ]
 
 
 def fuse_rotary(graph: gs.Graph, role: str, max_positions: int) -> tuple[int, int]:
@@ -195,17 +236,15 @@ def fuse_rotary(graph: gs.Graph, role: str, max_positions: int) -> tuple[int, in
             tables[key] = None if made is None else tuple(
                 gs.Constant(f"/{role}/rotary/{kind}_table_{len(tables)}", t)
                 for kind, t in zip(("cos", "sin"), made))
-        if tables[key] is None:
+        if tables[key] is None or _heads_first(m.x) is None:
             unfused += 1
             continue
-        positions = positions or _positions(graph)
-        y = m.add.outputs[0]
-        m.add.outputs.clear()
-        verify = y.outputs[0]
-        which = "q" if _slot(verify, y) == 0 else "k"
-        name = f"{verify.name.rsplit('/', 1)[0]}/rotary_{which}"
-        graph.nodes.append(gs.Node("RotaryEmbedding", name, {"interleaved": 0},
-                                   [m.x, positions, *tables[key]], [y], domain=CONTRIB))
+        positions = positions or _positions(graph, role)
+        verify = m.add.outputs[0].outputs[0]
+        q = _slot(verify, m.add.outputs[0]) == 0
+        heads = int(verify.attrs["num_heads" if q else "num_kv_heads"])
+        name = f"{verify.name.rsplit('/', 1)[0]}/rotary_{'q' if q else 'k'}"
+        _emit(graph, m, name, heads, positions, tables[key])
         fused += 1
     if fused:
         _import(graph, CONTRIB)

@@ -13,14 +13,16 @@ from dspark.runtime.errors import ConflictError, DSparkError, QueueFullError, Re
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, kind: str = "invalid_request_error"):
+                 code: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = (
             status, message, param, code, kind)
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         return JSONResponse(error_body(self.message, self.kind, self.param, self.code),
-                            status_code=self.status)
+                            status_code=self.status, headers=self.headers)
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -52,7 +54,8 @@ def install(app) -> None:
     app.add_exception_handler(RequestValidationError, _validation)
     app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(QueueFullError, lambda _, e: APIError(
-        429, str(e), code="queue_full", kind="rate_limit_error").response())
+        429, str(e), code="queue_full", kind="rate_limit_error",
+        headers={"Retry-After": "1"}).response())
     app.add_exception_handler(ConflictError, lambda _, e: APIError(
         409, str(e), code="conflict").response())
     app.add_exception_handler(RequestError, lambda _, e: APIError(
