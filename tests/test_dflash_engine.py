@@ -4,7 +4,6 @@ tenant fairness, and config hot reload, each without changing output."""
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
