@@ -92,7 +92,11 @@ def rewrite(graph: gs.Graph, contract: InputContract, role: str, progress: Progr
     graph.cleanup().toposort()
     if lean:
         counts["shapes_folded"] = fold_shapes(graph, analysis.shape_samples, role)
-        counts["rotary_fused"], counts["rotary_unfused"] = fuse_rotary(graph, role, max_positions)
+        counts["rotary_fused"], unfused = fuse_rotary(graph, role, max_positions)
+        counts["rotary_unfused"] = len(unfused)
+        if unfused:
+            progress.say(f"{role}: rotary left unfused (runs as exported): "
+                         + "; ".join(unfused[:3]) + (" ..." if len(unfused) > 3 else ""))
     counts["logits_rows_selected"] = select_logits_rows(graph)
     graph.toposort()
     progress.say(f"{role}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))

@@ -30,6 +30,7 @@ LENGTHS = (1, 3, 5, 8, 13, 21, 34, 55)
 # no RAS cap, and speculation at every batch size (VLB would turn it off under load)
 WIDE = DFlashConfig(resources=ResourceConfig(table=(ResourceRow("cpu", 8),)),
                     verify_balance=VerifyBalanceConfig(batch_cap=False))
+MAX_FORKS = 1  # forgiven near-tie forks per setting (none seen on the fixtures or SmolLM2)
 # (policy, window, speculative, prefill tokens per step, drafting method)
 SETTINGS = [("fixed", 1, False, 256, "draft"), ("fixed", 1, True, 256, "draft"),
             ("fixed", 4, True, 16, "draft"), ("fixed", 8, True, 256, "draft"),
@@ -48,10 +49,12 @@ def _check_lossless(bundle_path, main_path, prompts, eos=frozenset(), max_tokens
                         prefill_tokens=chunk, config=WIDE)
         seqs = engine.generate([GenerationRequest(tuple(p), max_tokens, speculative=spec,
                                                   method=method) for p in prompts])
-        for p, seq, ref in zip(prompts, seqs, refs):
-            fork = first_fork(seq.generated, ref, p, original, set(eos), seq.finish_reason)
-            if fork:
-                report.append(f"{policy} window {window} spec {spec}: {fork}")
+        forks = [f for p, seq, ref in zip(prompts, seqs, refs)
+                 if (f := first_fork(seq.generated, ref, p, original, set(eos), seq.finish_reason))]
+        # a near-tie fork is forgiven once per setting: batched sums differ from the
+        # reference's by ~1e-6, so more than one in a batch points at a real difference
+        assert len(forks) <= MAX_FORKS, (policy, window, method, forks)
+        report += [f"{policy} window {window} spec {spec}: {f}" for f in forks]
         assert engine.arena.free_blocks == bundle.plan.num_blocks  # every block came back
         if spec:
             assert sum(s.stats.draft_tokens for s in seqs) > 0

@@ -139,3 +139,51 @@ def test_a_flattened_batch_longer_than_the_rotary_tables(fixture_pairs, tmp_path
     reference = OriginalModel(main)
     for p, seq in zip(prompts, seqs):
         assert seq.generated == reference.greedy(p, 16)
+
+
+def _rotary_graph(dynamic: bool, transposed: bool) -> gs.Graph:
+    """rotate_half rotary on x [1, 2 heads, T, 8] feeding a SpeculativeVerify node as q."""
+    from dspark.runtime.bundle.spec import VERIFY_DOMAIN, VERIFY_OP
+
+    graph, cos, sin = _cos_sin_graph(8, dynamic)
+    x = gs.Variable("x", np.float32, [1, 2, "T", 8])
+    if transposed:
+        pre = gs.Variable("x_pre", np.float32, [1, "T", 2, 8])
+        graph.inputs.append(pre)
+        graph.nodes.append(gs.Node("Transpose", "to_heads", {"perm": [0, 2, 1, 3]}, [pre], [x]))
+    else:
+        graph.inputs.append(x)
+    c = lambda name, v: gs.Constant(name, np.array(v, np.int64))  # noqa: E731
+    lo, hi, neg, rot, a, b, y, out = (gs.Variable(n, np.float32) for n in (
+        "lo", "hi", "neg", "rot", "a", "b", "y", "out"))
+    graph.nodes += [
+        gs.Node("Slice", "lo", inputs=[x, c("s0", [0]), c("e0", [4]), c("ax0", [-1])],
+                outputs=[lo]),
+        gs.Node("Slice", "hi", inputs=[x, c("s1", [4]), c("e1", [2**62]), c("ax1", [-1])],
+                outputs=[hi]),
+        gs.Node("Neg", "neg", inputs=[hi], outputs=[neg]),
+        gs.Node("Concat", "rot", {"axis": -1}, [neg, lo], [rot]),
+        gs.Node("Mul", "a", inputs=[x, cos], outputs=[a]),
+        gs.Node("Mul", "b", inputs=[rot, sin], outputs=[b]),
+        gs.Node("Add", "rotary_add", inputs=[a, b], outputs=[y]),
+        gs.Node(VERIFY_OP, "/main/layers.0/attn/SpeculativeVerify", {
+            "num_heads": 2, "num_kv_heads": 2}, [y, y, y], [out], domain=VERIFY_DOMAIN),
+    ]
+    graph.outputs = [out]
+    return graph
+
+
+@pytest.mark.parametrize(("dynamic", "transposed", "why"), [
+    (False, True, None), (True, True, "pure function"), (False, False, "transposed")])
+def test_rotary_fused_or_left_unfused_by_name(dynamic, transposed, why):
+    from dspark.compiler.passes.rotary import fuse_rotary
+
+    graph = _rotary_graph(dynamic, transposed)
+    fused, unfused = fuse_rotary(graph, "main", 64)
+    if why is None:
+        assert (fused, unfused) == (1, [])
+        assert [n.op for n in graph.nodes].count("RotaryEmbedding") == 1
+        assert not {"Neg", "Concat", "Slice"} & {n.op for n in graph.nodes}
+    else:
+        assert fused == 0 and len(unfused) == 1
+        assert unfused[0].startswith("rotary_add") and why in unfused[0]

@@ -99,10 +99,10 @@ def _slot(node: gs.Node, t: gs.Tensor) -> int:
     return next(i for i, x in enumerate(node.inputs) if x is t)
 
 
-def find_rotary(graph: gs.Graph) -> tuple[list[RotaryMatch], int]:
-    """Rotaries whose result SpeculativeVerify reads as q or k, and how many Adds looked
-    like a rotary (a Mul of a rotate_half) but were not usable."""
-    found, unusable = [], 0
+def find_rotary(graph: gs.Graph) -> tuple[list[RotaryMatch], list[str]]:
+    """Rotaries whose result SpeculativeVerify reads as q or k, and the names of the Adds
+    that looked like a rotary (a Mul of a rotate_half) but do not feed one."""
+    found, unusable = [], []
     for node in graph.nodes:
         if node.op != "Add" or len(node.outputs) != 1:
             continue
@@ -113,7 +113,7 @@ def find_rotary(graph: gs.Graph) -> tuple[list[RotaryMatch], int]:
         if y.outputs and all(c.op == VERIFY_OP and _slot(c, y) in (0, 1) for c in y.outputs):
             found.append(m)
         else:
-            unusable += 1
+            unusable.append(f"{node.name} (not read by SpeculativeVerify as q or k)")
     return found, unusable
 
 
@@ -222,11 +222,12 @@ def _emit(graph: gs.Graph, m: RotaryMatch, name: str, heads: int, positions: gs.
     ]
 
 
-def fuse_rotary(graph: gs.Graph, role: str, max_positions: int) -> tuple[int, int]:
-    """Replace each usable rotary with RotaryEmbedding; returns (fused, left unfused)."""
+def fuse_rotary(graph: gs.Graph, role: str, max_positions: int) -> tuple[int, list[str]]:
+    """Replace each usable rotary with RotaryEmbedding; returns how many, and each rotary
+    left unfused with why (for the compile report)."""
     matches, unfused = find_rotary(graph)
     if not any(t.name == POSITION_IDS for t in graph.inputs):
-        return 0, unfused + len(matches)
+        return 0, unfused + [f"{m.add.name} (no position_ids input)" for m in matches]
     tables: dict[tuple[str, str, int], tuple[gs.Constant, gs.Constant] | None] = {}
     fused, positions = 0, None
     for m in matches:
@@ -236,8 +237,11 @@ def fuse_rotary(graph: gs.Graph, role: str, max_positions: int) -> tuple[int, in
             tables[key] = None if made is None else tuple(
                 gs.Constant(f"/{role}/rotary/{kind}_table_{len(tables)}", t)
                 for kind, t in zip(("cos", "sin"), made))
-        if tables[key] is None or _heads_first(m.x) is None:
-            unfused += 1
+        if tables[key] is None:
+            unfused.append(f"{m.add.name} (cos/sin not a pure function of the position)")
+            continue
+        if _heads_first(m.x) is None:
+            unfused.append(f"{m.add.name} (its input is not [1, T, heads, dim] transposed)")
             continue
         positions = positions or _positions(graph, role)
         verify = m.add.outputs[0].outputs[0]
