@@ -25,8 +25,12 @@ def with_hugepages() -> None:
     """Re-run this command line with glibc's huge-page tunable set (see env.hugepage_env);
     returns only if it is set already or not wanted."""
     env = hugepage_env()
-    if env is not None:
+    if env is None or not sys.executable:
+        return
+    try:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError:  # cannot re-run (an embedded interpreter): run without, only slower
+        return
 
 
 def run_cli(command: click.Command, prog: str, args: list[str] | None = None) -> None:
