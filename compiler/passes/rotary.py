@@ -208,10 +208,14 @@ def _emit(graph: gs.Graph, m: RotaryMatch, name: str, heads: int, positions: gs.
     dim = 2 * m.half
     y = m.add.outputs[0]
     m.add.outputs.clear()
+    source = _heads_first(m.x)
+    inner = _producer(source, "Reshape")
+    if inner is not None and len(source.outputs) == 1:  # reshape the projection directly
+        source = inner.inputs[0]
     rows, out, back = (gs.Variable(f"{name}/{k}", dtype=y.dtype) for k in ("rows", "out", "back"))
     graph.nodes += [
         gs.Node("Reshape", f"{name}/to_rows", inputs=[
-            _heads_first(m.x), gs.Constant(f"{name}/rows_shape", np.array([-1, 1, heads * dim]))],
+            source, gs.Constant(f"{name}/rows_shape", np.array([-1, 1, heads * dim]))],
             outputs=[rows]),
         gs.Node("RotaryEmbedding", name, {"interleaved": 0, "num_heads": heads},
                 [rows, positions, *tables], [out], domain=CONTRIB),

@@ -28,6 +28,7 @@ from dspark.runtime.model.executor import SegmentedModel
 from dspark.runtime.model.runner import ModelRunner
 
 SEQ = -100  # below the warm-up probes' ids; no request gets it
+WARM = 2  # profiled runs left out of the op shares (a fresh session's first runs allocate)
 
 
 class Laps:
@@ -107,19 +108,22 @@ def _op_shares(runner: ModelRunner, bundle, context: int, sizes: tuple[int, ...]
         for n in sizes:
             model = SegmentedModel(bundle, runner.role, runner.model.attention,
                                    profile_prefix=str(Path(tmp) / f"n{n}"))
-            for _ in range(repeats):
+            for _ in range(repeats + WARM):
                 _step(runner, model, context, n, None)
             kernel: Counter = Counter()
             runs = 0.0
             for sess in model.sessions:
-                for event in json.loads(Path(sess.end_profiling()).read_text()):
+                events = json.loads(Path(sess.end_profiling()).read_text())
+                starts = sorted(e["ts"] for e in events if e.get("name") == "model_run")
+                cutoff = starts[WARM] if len(starts) > WARM else 0  # first runs allocate
+                for event in (e for e in events if e.get("ts", 0) >= cutoff):
                     if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
                         kernel[event["args"]["op_name"]] += event["dur"]
                     elif event.get("cat") == "Session" and event["name"] == "model_run":
                         runs += event["dur"]
-            total = sum(kernel.values()) or 1
-            shares[n] = {"kernel_ms": round(total / repeats / 1000, 3),
-                         "run_ms": round(runs / repeats / 1000, 3),
+            total, counted = sum(kernel.values()) or 1, repeats
+            shares[n] = {"kernel_ms": round(total / counted / 1000, 3),
+                         "run_ms": round(runs / counted / 1000, 3),
                          "ops": {op: round(d / total, 4) for op, d in kernel.most_common()}}
             del model
     return shares
