@@ -11,6 +11,19 @@ import uvicorn
 
 from dspark.runtime.server.run import build_app
 
+MODEL = "tok"  # the tok bundles' served name
+CHAT = [{"role": "user", "content": "hello world w5 w9"}]
+
+
+def api_error(call):
+    """The openai client's error raised by `call` (a 4xx or 5xx answer)."""
+    import openai
+    import pytest
+
+    with pytest.raises(openai.APIStatusError) as info:
+        call()
+    return info.value
+
 
 class LiveServer:
     def __init__(self, bundle, **kwargs):

@@ -10,12 +10,9 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import LiveServer
+from server_helpers import CHAT, MODEL, LiveServer, api_error
 
 from cli_helpers import run_dsrun
-
-MODEL = "tok"
-CHAT = [{"role": "user", "content": "hello world w5 w9"}]
 
 
 @pytest.fixture(scope="module")
@@ -144,35 +141,29 @@ def test_speculative_extensions(server):
     assert 0 < on.model_extra["speculative_decoding_stats"]["mean_window"] <= 2
 
 
-def _error(call):
-    with pytest.raises(openai.APIStatusError) as info:
-        call()
-    return info.value
-
-
 def test_errors_are_openai_objects(server):
     client = server.client()
-    e = _error(lambda: client.chat.completions.create(model="gpt-9", messages=CHAT))
+    e = api_error(lambda: client.chat.completions.create(model="gpt-9", messages=CHAT))
     assert isinstance(e, openai.NotFoundError) and "does not exist" in e.message
-    e = _error(lambda: client.chat.completions.create(model=MODEL, messages=CHAT,
+    e = api_error(lambda: client.chat.completions.create(model=MODEL, messages=CHAT,
                                                       max_tokens=500))
     assert isinstance(e, openai.BadRequestError) and "maximum context length 64" in e.message
     assert e.body["param"] == "max_tokens" and e.body["code"] == "context_length_exceeded"
     for kwargs, param in (({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
                           ({"presence_penalty": 0.5}, "presence_penalty")):
-        e = _error(lambda kw=kwargs: client.chat.completions.create(model=MODEL, messages=CHAT,
+        e = api_error(lambda kw=kwargs: client.chat.completions.create(model=MODEL, messages=CHAT,
                                                                     **kw))
         assert isinstance(e, openai.BadRequestError) and e.body["param"] == param
-    e = _error(lambda: client.chat.completions.create(model=MODEL, messages=CHAT,
+    e = api_error(lambda: client.chat.completions.create(model=MODEL, messages=CHAT,
                                                       extra_body={"foo": 1}))
     assert e.status_code == 400 and "unrecognized request argument: foo" in e.message
-    e = _error(lambda: client.chat.completions.create(model=MODEL, messages=CHAT,
+    e = api_error(lambda: client.chat.completions.create(model=MODEL, messages=CHAT,
                                                       temperature=7))
     assert e.status_code == 400 and e.body["param"] == "temperature"
     long = [{"role": "user", "content": " ".join(["w1"] * 80)}]
-    e = _error(lambda: client.chat.completions.create(model=MODEL, messages=long))
+    e = api_error(lambda: client.chat.completions.create(model=MODEL, messages=long))
     assert e.status_code == 400 and "maximum context length is 64" in e.message
-    e = _error(lambda: client.chat.completions.create(
+    e = api_error(lambda: client.chat.completions.create(
         model=MODEL, messages=CHAT, extra_body={"speculative_config": {"draft_model": "x"}}))
     assert e.status_code == 400 and "draft model 'x'" in e.message
     raw = httpx.post(f"{server.url}/v1/chat/completions", content=b"{nope",
@@ -226,102 +217,6 @@ def test_disconnects_free_the_cache(server):
     assert server.wait_idle(), (server.engine.busy, server.engine.arena.free_blocks)
 
 
-def test_cache_resize_and_warmup(gpt2_tok_bundle, tmp_path):
-    config = json.loads((gpt2_tok_bundle / "dflash_config.json").read_text())
-    config["cache_resize_grace_period_sec"] = 0
-    (tmp_path / "c.json").write_text(json.dumps(config))
-    with LiveServer(gpt2_tok_bundle, config=tmp_path / "c.json") as live:
-        post = lambda path, body: httpx.post(f"{live.url}{path}", json=body, timeout=30)  # noqa: E731
-        assert post("/v1/warmup", {"draft_tokens": 8, "main_tokens": 1}).json()["seconds"] > 0
-        r = post("/v1/cache/resize", {"max_length": 32})
-        assert r.status_code == 200 and r.json()["max_length"] == 32
-        e = _error(lambda: live.client().chat.completions.create(
-            model=MODEL, messages=CHAT, max_tokens=30))
-        assert "maximum context length 32" in e.message
-        r = post("/v1/cache/resize", {"max_length": 4096})  # the arena grows
-        assert r.status_code == 200 and r.json()["num_blocks"] >= 256
-        stream = live.client().chat.completions.create(model=MODEL, messages=CHAT,
-                                                       max_tokens=2000, stream=True)
-        next(iter(stream))
-        r = post("/v1/cache/resize", {"max_length": 64})
-        assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
-        stream.close()
-        assert post("/v1/cache/resize", {"max_length": 10}).status_code == 400
-
-
-def test_resize_refused_past_the_rotary_tables(tok_bundle):
-    """The llama bundle's rotary tables cover its compiled max_seq_len (64), no more."""
-    with LiveServer(tok_bundle, warmup=False) as live:
-        r = httpx.post(f"{live.url}/v1/cache/resize", json={"max_length": 65}, timeout=30)
-        assert r.status_code == 400, r.text
-        error = r.json()["error"]
-        assert error["param"] == "max_length" and "rotary tables" in error["message"]
-        r = httpx.post(f"{live.url}/v1/cache/resize", json={"max_length": 64}, timeout=30)
-        assert r.status_code == 200 and r.json()["max_length"] == 64
-
-
-def test_request_body_over_the_limit_is_413(tok_bundle):
-    """Declared (Content-Length) or chunked, a body past --max-body-mb is refused in OpenAI's
-    error shape before it is parsed; the server keeps serving."""
-    with LiveServer(tok_bundle, max_body_bytes=4096, warmup=False) as live:
-        url = f"{live.url}/v1/completions"
-        big = {"model": MODEL, "prompt": "w1 " * 3000, "max_tokens": 2}
-        r = httpx.post(url, json=big, timeout=30)
-        assert r.status_code == 413, r.text
-        assert r.json()["error"]["code"] == "request_too_large"
-
-        def chunks():
-            body = json.dumps(big).encode()
-            for i in range(0, len(body), 1000):
-                yield body[i:i + 1000]
-
-        r = httpx.post(url, content=chunks(), timeout=30,
-                       headers={"content-type": "application/json"})
-        assert r.status_code == 413 and "limit of 4096 bytes" in r.json()["error"]["message"]
-        ok = live.client().completions.create(model=MODEL, prompt="hello world", max_tokens=3)
-        assert ok.usage.completion_tokens == 3
-
-
-def test_api_key(tok_bundle):
-    with LiveServer(tok_bundle, api_key="s3cret", warmup=False) as live:
-        e = _error(lambda: live.client().models.list())
-        assert isinstance(e, openai.AuthenticationError)
-        assert live.client("s3cret").models.list().data[0].id == MODEL
-        assert httpx.get(f"{live.url}/health").status_code == 200
-        assert httpx.get(f"{live.url}/metrics").status_code == 401
-
-
-def test_queue_full_is_429(tok_bundle):
-    """Event-driven: a blocking call holds the engine thread, so requests queue; past
-    --max-queue the next gets a 429 with Retry-After; once released, the queued complete."""
-    import time
-
-    with LiveServer(tok_bundle, max_batch=1, max_queue=2, warmup=False) as live:
-        service, gate = live.state.service, threading.Event()
-        service.commands.put(("call", (lambda e: gate.wait(30), None, None)))
-        results = []
-
-        def ask() -> None:
-            r = live.client().completions.create(model=MODEL, prompt="hello world",
-                                                 max_tokens=8, temperature=0)
-            results.append(r.usage.completion_tokens)
-
-        threads = [threading.Thread(target=ask) for _ in range(2)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 30
-        while service.commands.qsize() < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        r = httpx.post(f"{live.url}/v1/completions", timeout=30,
-                       json={"model": MODEL, "prompt": "hello", "max_tokens": 2})
-        gate.set()
-        for t in threads:
-            t.join()
-        assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
-        assert r.json()["error"]["type"] == "rate_limit_error"
-        assert results == [8, 8]
-
-
 def test_drafting_methods_over_http(server):
     client = server.client()
     prompt = "hello world w5 w9 hello world w5"
@@ -333,10 +228,10 @@ def test_drafting_methods_over_http(server):
         assert on.choices[0].text == off.choices[0].text, method
         stats = on.model_extra["speculative_decoding_stats"]
         assert set(stats["sources"]) <= {"lookup", "draft"} and sum(stats["methods"].values())
-    e = _error(lambda: client.completions.create(
+    e = api_error(lambda: client.completions.create(
         model=MODEL, prompt=prompt, extra_body={"speculative_config": {"method": "magic"}}))
     assert e.status_code == 400 and e.body["param"] == "speculative_config.method"
-    e = _error(lambda: client.completions.create(model=MODEL, prompt=prompt, temperature=1,
+    e = api_error(lambda: client.completions.create(model=MODEL, prompt=prompt, temperature=1,
                                                  seed=-3))
     assert e.status_code == 400 and e.body["param"] == "seed"
     metrics, _ = _metrics(server)
@@ -392,7 +287,7 @@ def test_draftless_bundle_serves_lookup_only(fixture_pairs, tmp_path):
                                          temperature=0)
         # no tokenizer: the text is empty; the lossless tests compare the tokens
         assert spec.usage.completion_tokens == plain.usage.completion_tokens == 12
-        e = _error(lambda: client.completions.create(
+        e = api_error(lambda: client.completions.create(
             model="lookup", prompt=ids, extra_body={"speculative_config": {"method": "draft"}}))
         assert e.status_code == 400 and e.body["param"] == "speculative_config.method"
         assert "no draft model" in e.message or "has none" in e.message

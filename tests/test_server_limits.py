@@ -1,0 +1,107 @@
+"""Serving limits and admin, each on a server of its own: cache resize and warm-up, the
+rotary tables' length, request body size (413), API key (401), queue full (429)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+from server_helpers import CHAT, MODEL, LiveServer, api_error
+
+
+def test_cache_resize_and_warmup(gpt2_tok_bundle, tmp_path):
+    config = json.loads((gpt2_tok_bundle / "dflash_config.json").read_text())
+    config["cache_resize_grace_period_sec"] = 0
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    with LiveServer(gpt2_tok_bundle, config=tmp_path / "c.json") as live:
+        post = lambda path, body: httpx.post(f"{live.url}{path}", json=body, timeout=30)  # noqa: E731
+        assert post("/v1/warmup", {"draft_tokens": 8, "main_tokens": 1}).json()["seconds"] > 0
+        r = post("/v1/cache/resize", {"max_length": 32})
+        assert r.status_code == 200 and r.json()["max_length"] == 32
+        e = api_error(lambda: live.client().chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=30))
+        assert "maximum context length 32" in e.message
+        r = post("/v1/cache/resize", {"max_length": 4096})  # the arena grows
+        assert r.status_code == 200 and r.json()["num_blocks"] >= 256
+        stream = live.client().chat.completions.create(model=MODEL, messages=CHAT,
+                                                       max_tokens=2000, stream=True)
+        next(iter(stream))
+        r = post("/v1/cache/resize", {"max_length": 64})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
+        stream.close()
+        assert post("/v1/cache/resize", {"max_length": 10}).status_code == 400
+
+
+def test_resize_refused_past_the_rotary_tables(tok_bundle):
+    """The llama bundle's rotary tables cover its compiled max_seq_len (64), no more."""
+    with LiveServer(tok_bundle, warmup=False) as live:
+        r = httpx.post(f"{live.url}/v1/cache/resize", json={"max_length": 65}, timeout=30)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "max_length" and "rotary tables" in error["message"]
+        r = httpx.post(f"{live.url}/v1/cache/resize", json={"max_length": 64}, timeout=30)
+        assert r.status_code == 200 and r.json()["max_length"] == 64
+
+
+def test_request_body_over_the_limit_is_413(tok_bundle):
+    """Declared (Content-Length) or chunked, a body past --max-body-mb is refused in OpenAI's
+    error shape before it is parsed; the server keeps serving."""
+    with LiveServer(tok_bundle, max_body_bytes=4096, warmup=False) as live:
+        url = f"{live.url}/v1/completions"
+        big = {"model": MODEL, "prompt": "w1 " * 3000, "max_tokens": 2}
+        r = httpx.post(url, json=big, timeout=30)
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["code"] == "request_too_large"
+
+        def chunks():
+            body = json.dumps(big).encode()
+            for i in range(0, len(body), 1000):
+                yield body[i:i + 1000]
+
+        r = httpx.post(url, content=chunks(), timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "limit of 4096 bytes" in r.json()["error"]["message"]
+        ok = live.client().completions.create(model=MODEL, prompt="hello world", max_tokens=3)
+        assert ok.usage.completion_tokens == 3
+
+
+def test_api_key(tok_bundle):
+    with LiveServer(tok_bundle, api_key="s3cret", warmup=False) as live:
+        e = api_error(lambda: live.client().models.list())
+        assert isinstance(e, openai.AuthenticationError)
+        assert live.client("s3cret").models.list().data[0].id == MODEL
+        assert httpx.get(f"{live.url}/health").status_code == 200
+        assert httpx.get(f"{live.url}/metrics").status_code == 401
+
+
+def test_queue_full_is_429(tok_bundle):
+    """Event-driven: a blocking call holds the engine thread, so requests queue; past
+    --max-queue the next gets a 429 with Retry-After; once released, the queued complete."""
+    import time
+
+    with LiveServer(tok_bundle, max_batch=1, max_queue=2, warmup=False) as live:
+        service, gate = live.state.service, threading.Event()
+        service.commands.put(("call", (lambda e: gate.wait(30), None, None)))
+        results = []
+
+        def ask() -> None:
+            r = live.client().completions.create(model=MODEL, prompt="hello world",
+                                                 max_tokens=8, temperature=0)
+            results.append(r.usage.completion_tokens)
+
+        threads = [threading.Thread(target=ask) for _ in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while service.commands.qsize() < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        r = httpx.post(f"{live.url}/v1/completions", timeout=30,
+                       json={"model": MODEL, "prompt": "hello", "max_tokens": 2})
+        gate.set()
+        for t in threads:
+            t.join()
+        assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        assert results == [8, 8]
