@@ -45,8 +45,9 @@ def cli() -> None:
 @click.option("--auto-token-map", is_flag=True, help="map draft tokens to main tokens with "
               "the same string when the tokenizers differ")
 @click.option("--no-aot", is_flag=True, help="skip compiling the kernels to cubin (JIT-only)")
-@click.option("--no-lean", is_flag=True, help="skip stage 1's shape folding and rotary fusion "
-              "(the graph as exported; for A/B and for a model they mishandle)")
+@click.option("--no-lean", is_flag=True, help="skip stage 1's shape folding, rotary fusion and "
+              "token-major attention (the graph as exported; for A/B and for a model they "
+              "mishandle)")
 @click.option("--json", "as_json", is_flag=True, help="print the manifest as JSON")
 def compile_cmd(main: Path, draft: Path | None, out: Path, tokenizer: Path | None, force: bool,
                 kv_budget_mb: float, block_size: str, max_seq_len: int, extra: tuple[str, ...],

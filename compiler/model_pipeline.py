@@ -19,6 +19,7 @@ from dspark.compiler.passes.probe import PROBE_SHAPES, Prober
 from dspark.compiler.passes.rotary import fuse_rotary
 from dspark.compiler.passes.segments import SegmentCut, cut_segments, segment_graph
 from dspark.compiler.passes.select_logits import select_logits_rows
+from dspark.compiler.passes.verify_layout import token_major_verify
 from dspark.compiler.passes.verify_nodes import (
     LayerGeometry,
     detach_kv_outputs,
@@ -97,6 +98,7 @@ def rewrite(graph: gs.Graph, contract: InputContract, role: str, progress: Progr
         if unfused:
             progress.say(f"{role}: rotary left unfused (runs as exported): "
                          + "; ".join(unfused[:3]) + (" ..." if len(unfused) > 3 else ""))
+        counts["verify_token_major"] = token_major_verify(graph)
     counts["logits_rows_selected"] = select_logits_rows(graph)
     graph.toposort()
     progress.say(f"{role}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
@@ -168,7 +170,8 @@ def compile_model(contract: InputContract, role: str, work: Path, out: Path,
         node = nodes[verify_node_name(role, m.layer)]
         q, k, v = (t.name for t in node.inputs)
         ops.append(VerifyOp(node.name, m.layer, q, k, v, node.outputs[0].name, geo.num_heads,
-                            geo.num_kv_heads, geo.head_dim, node.attrs["scale"], after[node.name]))
+                            geo.num_kv_heads, geo.head_dim, node.attrs["scale"], after[node.name],
+                            node.attrs.get("layout", "heads")))
     report = {"ops_before": before, "ops_after": op_counts(graph.nodes), "passes": done.counts}
     return ModelSpec(
         role=role, num_layers=contract.num_layers, num_heads=geo.num_heads,

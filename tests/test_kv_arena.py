@@ -82,13 +82,14 @@ def test_paged_attention_matches_contiguous_reference(arena, new):
             arena.reserve(s, "main", starts[s], n)
         t = batch.num_tokens
         for op in spec.verify_ops:
-            q = rng.standard_normal((1, 4, t, 16)).astype(np.float32)
-            k = rng.standard_normal((1, 2, t, 16)).astype(np.float32)
-            v = rng.standard_normal((1, 2, t, 16)).astype(np.float32)
+            q = rng.standard_normal((t, 4, 16)).astype(np.float32)  # token rows
+            k = rng.standard_normal((t, 2, 16)).astype(np.float32)
+            v = rng.standard_normal((t, 2, 16)).astype(np.float32)
             got = paged(op, q, k, v, batch)
-            ref_cache.append(op.layer, torch.from_numpy(k[0]), torch.from_numpy(v[0]), batch)
-            want = verify_attention(torch.from_numpy(q[0]), ref_cache, op.layer, batch, op.scale)
-            np.testing.assert_allclose(got[0], want.numpy(), rtol=1e-5, atol=1e-5)
+            heads_first = lambda x: torch.from_numpy(x).transpose(0, 1)  # noqa: E731
+            ref_cache.append(op.layer, heads_first(k), heads_first(v), batch)
+            want = verify_attention(heads_first(q), ref_cache, op.layer, batch, op.scale)
+            np.testing.assert_allclose(got, want.transpose(0, 1).numpy(), rtol=1e-5, atol=1e-5)
         starts = [a + n for a, n in zip(starts, lens)]
     assert any(np.diff(arena.tables[s].blocks).max(initial=1) > 1 for s in range(3))
 

@@ -1,6 +1,7 @@
-"""Stage-1 leanness: shape arithmetic folded, rotary fused, on every fixture architecture and
-export form. That the rewritten models still match the originals is test_compile's
-`test_verify_matches_original_models` and the lossless generation tests (same bundles)."""
+"""Stage-1 leanness: shape arithmetic folded, rotary fused, attention in token rows, on every
+fixture architecture and export form. That the rewritten models still match the originals
+is test_compile's `test_verify_matches_original_models` and the lossless generation tests
+(same bundles)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,67 @@ def test_segments_compute_no_shapes_at_run_time(compiled, pair):
         ops = segment_ops(compiled[pair], role)
         assert not SHAPE_OPS & ops.keys(), (role, ops)
         assert ops["MatMul"] + ops["Gemm"] > 0
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=["-".join(p) for p in PAIRS])
+def test_attention_reads_and_writes_token_rows_without_transposes(compiled, pair):
+    for role in ("main", "draft"):
+        spec = open_bundle(compiled[pair]).model(role)
+        assert {op.layout for op in spec.verify_ops} == {"tokens"}, role
+        assert "Transpose" not in segment_ops(compiled[pair], role)
+
+
+def _attention_graph(extra_reader: bool, target: list[int]) -> gs.Graph:
+    """q/k/v [1, T, 2, 8] transposed to heads-first into a SpeculativeVerify node, its
+    result transposed back and reshaped to `target` (`extra_reader`: an Add reads the
+    transposed result too)."""
+    from dspark.runtime.bundle.spec import VERIFY_DOMAIN, VERIFY_OP
+
+    graph = gs.Graph(opset=17)
+    heads_first = []
+    for name in "qkv":
+        x = gs.Variable(f"{name}_rows", np.float32, [1, "T", 16])
+        x4, y = gs.Variable(f"{name}_4d", np.float32), gs.Variable(name, np.float32)
+        graph.inputs.append(x)
+        graph.nodes += [
+            gs.Node("Reshape", f"{name}_split", inputs=[
+                x, gs.Constant(f"{name}_shape", np.array([1, -1, 2, 8]))], outputs=[x4]),
+            gs.Node("Transpose", f"{name}_t", {"perm": [0, 2, 1, 3]}, [x4], [y])]
+        heads_first.append(y)
+    out, back, flat = (gs.Variable(n, np.float32) for n in ("out", "back", "flat"))
+    graph.nodes += [
+        gs.Node(VERIFY_OP, "/main/layers.0/attn/SpeculativeVerify", {
+            "num_heads": 2, "num_kv_heads": 2, "head_dim": 8}, heads_first, [out],
+            domain=VERIFY_DOMAIN),
+        gs.Node("Transpose", "out_t", {"perm": [0, 2, 1, 3]}, [out], [back]),
+        gs.Node("Reshape", "merge", inputs=[back, gs.Constant("merged", np.array(target))],
+                outputs=[flat])]
+    graph.outputs = [flat]
+    if extra_reader:
+        other = gs.Variable("other", np.float32)
+        graph.nodes.append(gs.Node("Add", "reads_back", inputs=[back, back], outputs=[other]))
+        graph.outputs.append(other)
+    return graph
+
+
+@pytest.mark.parametrize(("extra_reader", "target", "done", "reshapes"), [
+    (False, [1, -1, 16], 1, 0),  # the merge is what the node now writes: it goes
+    (False, [-1, 16], 1, 1),  # a 2-D merge stays, reading the node's rows
+    (False, [0, 0, -1], 1, 0),  # copied dims agree in both layouts
+    (False, [1, -1, 2, 8], 1, 1),
+    (True, [1, -1, 16], 0, 4),  # something else reads the transposed result: left alone
+])
+def test_token_major_rewrite_or_left_alone(extra_reader, target, done, reshapes):
+    from dspark.compiler.passes.verify_layout import token_major_verify
+
+    graph = _attention_graph(extra_reader, target)
+    assert token_major_verify(graph) == done
+    [node] = [n for n in graph.nodes if n.op == "SpeculativeVerify"]
+    assert node.attrs.get("layout", "heads") == ("tokens" if done else "heads")
+    assert [n.op for n in graph.nodes].count("Reshape") == reshapes
+    if done:
+        assert [t.name for t in node.inputs] == ["q_rows", "k_rows", "v_rows"]
+        assert "Transpose" not in {n.op for n in graph.nodes}
 
 
 def test_classic_llama_rotary_is_one_op_per_q_and_k(compiled):

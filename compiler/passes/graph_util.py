@@ -12,3 +12,10 @@ def replace_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
             if t is old:
                 consumer.inputs[i] = new
     graph.outputs = [new if t is old else t for t in graph.outputs]
+
+
+def producer(t: gs.Tensor, op: str) -> gs.Node | None:
+    """The node of type `op` that makes `t`, if one does."""
+    if isinstance(t, gs.Variable) and len(t.inputs) == 1 and t.inputs[0].op == op:
+        return t.inputs[0]
+    return None

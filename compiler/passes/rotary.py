@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from dspark.compiler.passes.graph_util import producer
 from dspark.runtime.bundle.spec import POSITION_IDS, VERIFY_OP
 
 CONTRIB = "com.microsoft"
@@ -36,12 +37,6 @@ class RotaryMatch:
     cos: gs.Variable
     sin: gs.Variable
     half: int
-
-
-def _producer(t: gs.Tensor, op: str) -> gs.Node | None:
-    if isinstance(t, gs.Variable) and len(t.inputs) == 1 and t.inputs[0].op == op:
-        return t.inputs[0]
-    return None
 
 
 def _const_ints(t: gs.Tensor) -> list[int] | None:
@@ -65,12 +60,12 @@ def _last_axis_slice(node: gs.Node | None) -> tuple[gs.Tensor, int, int] | None:
 
 def _rotate_half(rot: gs.Tensor) -> tuple[gs.Tensor, int] | None:
     """x and h if rot == Concat(-x[..., h:], x[..., :h]) on the last axis."""
-    concat = _producer(rot, "Concat")
+    concat = producer(rot, "Concat")
     if concat is None or concat.attrs.get("axis") not in (-1, 3) or len(concat.inputs) != 2:
         return None
-    neg = _producer(concat.inputs[0], "Neg")
-    upper = _last_axis_slice(_producer(neg.inputs[0], "Slice")) if neg else None
-    lower = _last_axis_slice(_producer(concat.inputs[1], "Slice"))
+    neg = producer(concat.inputs[0], "Neg")
+    upper = _last_axis_slice(producer(neg.inputs[0], "Slice")) if neg else None
+    lower = _last_axis_slice(producer(concat.inputs[1], "Slice"))
     if upper is None or lower is None or upper[0] is not lower[0]:
         return None
     (x, hi_start, hi_end), (_, lo_start, lo_end) = upper, lower
@@ -80,7 +75,7 @@ def _rotate_half(rot: gs.Tensor) -> tuple[gs.Tensor, int] | None:
 
 
 def _match(add: gs.Node) -> RotaryMatch | None:
-    muls = [_producer(t, "Mul") for t in add.inputs]
+    muls = [producer(t, "Mul") for t in add.inputs]
     if len(muls) != 2 or any(m is None for m in muls):
         return None
     for plain, rotated in (muls, muls[::-1]):
@@ -191,7 +186,7 @@ def _positions(graph: gs.Graph, role: str) -> gs.Variable:
 
 def _heads_first(x: gs.Tensor) -> gs.Tensor | None:
     """x_pre if x = Transpose(x_pre, perm 0,2,1,3) ([1, T, heads, dim] -> [1, heads, T, dim])."""
-    node = _producer(x, "Transpose")
+    node = producer(x, "Transpose")
     if node is None or list(node.attrs.get("perm", [])) != [0, 2, 1, 3]:
         return None
     return node.inputs[0]
@@ -209,10 +204,12 @@ def _emit(graph: gs.Graph, m: RotaryMatch, name: str, heads: int, positions: gs.
     y = m.add.outputs[0]
     m.add.outputs.clear()
     source = _heads_first(m.x)
-    inner = _producer(source, "Reshape")
+    inner = producer(source, "Reshape")
     if inner is not None and len(source.outputs) == 1:  # reshape the projection directly
         source = inner.inputs[0]
-    rows, out, back = (gs.Variable(f"{name}/{k}", dtype=y.dtype) for k in ("rows", "out", "back"))
+    flat = [positions.shape[0], 1, heads * dim]
+    rows, out = (gs.Variable(f"{name}/{k}", dtype=y.dtype, shape=flat) for k in ("rows", "out"))
+    back = gs.Variable(f"{name}/back", dtype=y.dtype)
     graph.nodes += [
         gs.Node("Reshape", f"{name}/to_rows", inputs=[
             source, gs.Constant(f"{name}/rows_shape", np.array([-1, 1, heads * dim]))],

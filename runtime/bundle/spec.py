@@ -21,9 +21,12 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 class VerifyOp:
     """One ai.dspark::SpeculativeVerify(q, k_new, v_new) -> out node.
 
-    q is [1, num_heads, T, head_dim], k_new and v_new [1, num_kv_heads, T, head_dim];
-    out has q's shape. The op appends k_new/v_new to layer `layer` of the cache and attends
-    each new token over its own sequence's positions up to and including itself.
+    layout "heads" (as exported): q is [1, num_heads, T, head_dim], k_new and v_new
+    [1, num_kv_heads, T, head_dim], out has q's shape. Layout "tokens" (the compiler's
+    verify_layout pass): q/k/v hold the same values token-major in any shape (memory order
+    token, head, dim) and out is [1, T, num_heads * head_dim]. The op appends k_new/v_new to
+    layer `layer` of the cache and attends each new token over its own sequence's positions
+    up to and including itself.
     """
 
     name: str
@@ -37,6 +40,7 @@ class VerifyOp:
     head_dim: int
     scale: float
     after_segment: int
+    layout: str = "heads"
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class ReferenceAttention:
 
     def __call__(self, op: VerifyOp, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                  batch: FlatBatch) -> np.ndarray:
-        self.cache.append(op.layer, torch.from_numpy(k[0]), torch.from_numpy(v[0]), batch)
-        out = verify_attention(torch.from_numpy(q[0]), self.cache, op.layer, batch, op.scale)
-        return out.numpy()[None]
+        """q [T, heads, d], k/v [T, kv, d] -> [T, heads, d]."""
+        k, v, q = (torch.from_numpy(np.ascontiguousarray(x)).transpose(0, 1) for x in (k, v, q))
+        self.cache.append(op.layer, k, v, batch)
+        return verify_attention(q, self.cache, op.layer, batch, op.scale).transpose(0, 1).numpy()

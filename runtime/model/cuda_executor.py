@@ -21,6 +21,7 @@ from dspark.runtime.bundle.bundle import Bundle
 from dspark.runtime.bundle.spec import INPUT_IDS, LOGITS, LOGITS_INDEX, POSITION_IDS, VerifyOp
 from dspark.runtime.model.batch import FlatBatch
 from dspark.runtime.model.kernel_attention import KernelAttention
+from dspark.runtime.model.layout import attend_rows
 from dspark.runtime.model.sessions import make_session
 
 # onnxruntime element type -> (array-interface type string, torch dtype to view it as)
@@ -103,7 +104,7 @@ class CudaSegmentedModel:
             env.update(zip(outputs, io.get_outputs()))  # kept alive until the forward ends
             for op in ops:
                 q, k, v = (as_torch(env[n], self.device) for n in (op.q, op.k, op.v))
-                env[op.out] = self.attention(op, q, k, v, batch)
+                env[op.out] = attend_rows(self.attention, op, q, k, v, batch)
         logits = as_torch(env[LOGITS], self.device)[0]
         if rows is not None and not selects:
             logits = logits[torch.from_numpy(np.asarray(rows)).to(self.device)]

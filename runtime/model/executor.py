@@ -18,12 +18,15 @@ import numpy as np
 from dspark.runtime.bundle.bundle import Bundle
 from dspark.runtime.bundle.spec import INPUT_IDS, LOGITS, LOGITS_INDEX, POSITION_IDS, VerifyOp
 from dspark.runtime.model.batch import FlatBatch
+from dspark.runtime.model.layout import attend_rows
 from dspark.runtime.model.sessions import make_session
 
 _ORT_INT = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
 
 
 class AttentionBackend(Protocol):
+    """q [T, heads, dim], k/v [T, kv_heads, dim] -> [T, heads, dim] (see layout.py)."""
+
     def __call__(self, op: VerifyOp, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                  batch: FlatBatch) -> np.ndarray: ...
 
@@ -71,7 +74,8 @@ class SegmentedModel:
             if clock is not None:
                 clock.lap("segment")
             for op in ops:
-                env[op.out] = self.attention(op, env[op.q], env[op.k], env[op.v], batch)
+                env[op.out] = attend_rows(self.attention, op, env[op.q], env[op.k], env[op.v],
+                                          batch)
             if clock is not None and ops:
                 clock.lap("attention")
         logits = env[LOGITS][0]

@@ -4,8 +4,8 @@ Per forward (shared by every layer), int32 metadata on the device: block tables
 [sequences, max blocks], cached lengths, new lengths, query offsets, and each new token's
 (block, offset) slot. Per layer:
 
-    k/v [1, kv_heads, T, d] -> [T, kv_heads, d] --kv_inject--> arena slots
-    q   [1, heads, T, d]    -> [T, heads, d]    --verify_attention--> [1, heads, T, d]
+    k/v [T, kv_heads, d] --kv_inject--> arena slots
+    q   [T, heads, d]    --verify_attention--> [T, heads, d]
 On a GPU the tensors are torch CUDA tensors (the CUDA executor); on the CPU this backend takes
 numpy arrays and runs the kernels under Triton's interpreter, which is only for tests: the
 same launches the GPU makes, proven lossless through the whole engine.
@@ -80,12 +80,10 @@ class KernelAttention:
         meta = self.meta(batch)
         pool = self.arena.pools[self.role]
         k_pool, v_pool = pool.k[op.layer], pool.v[op.layer]
-        rows = lambda x: x[0].transpose(0, 1).contiguous()  # noqa: E731 - [1,h,T,d] -> [T,h,d]
-        kv_inject(rows(k), rows(v), k_pool, v_pool, meta.slot_block, meta.slot_offset,
-                  self.library)
-        out = verify_attention(rows(q), k_pool, v_pool, meta.tables, meta.start, meta.new,
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        kv_inject(k, v, k_pool, v_pool, meta.slot_block, meta.slot_offset, self.library)
+        out = verify_attention(q, k_pool, v_pool, meta.tables, meta.start, meta.new,
                                meta.qoff, op.scale, self.library, meta.max_new, meta.max_len)
-        out = out.transpose(0, 1)[None].contiguous()
         return out.numpy() if host else out
 
     def zero(self, blocks: torch.Tensor, offsets: torch.Tensor) -> None:

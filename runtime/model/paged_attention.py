@@ -1,15 +1,14 @@
 """SpeculativeVerify on the CPU over the paged arena, in place.
 
-Per forward (shared by every layer) each sequence's block table becomes a slice of the
-arena (its blocks are consecutive, the common case) or an index array, and its causal mask
-bias is built once. Per layer, per sequence:
+Per forward (shared by every layer) each sequence's block table and window are read once.
+Per layer, decode and verify windows (most steps) go to one compiled call for the whole
+batch (kernels/cpu_verify.py: append k/v, attend straight from the arena blocks). A long
+window (prefill) is gathered by head and runs as matmuls, on onnxruntime's threads when big:
 
     arena K [block][kv_head][block_size][head_dim] --its blocks, by head--> [kv, L, d]
     q [heads, n, d] -> [kv, group*n, d] --(q*scale K^T, causal bias, softmax, @ V)--> out
-Query j of a sequence (position start+j) sees keys 0..start+j. Numpy matmuls at one thread:
-at a 135M model's sizes (3 KV heads x 64, contexts of hundreds) they measured faster than a
-padded torch SDPA over the batch, and faster than per-block GEMMs that skip regrouping the
-keys by head (83 vs 108 us per layer in place, decode at context 150).
+Query j of a sequence (position start+j) sees keys 0..start+j. The numpy path also serves
+arenas that are not float32 (the compiled kernel is float32 only).
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dspark.kernels.cpu_verify import cpu_verify_attention
 from dspark.runtime.bundle.spec import VerifyOp
 from dspark.runtime.cache.kv_arena import KVArena
 from dspark.runtime.model.batch import FlatBatch
@@ -84,43 +84,72 @@ def by_head(pool: np.ndarray, blocks: slice | np.ndarray, length: int) -> np.nda
     return tiles.transpose(1, 0, 2, 3).reshape(tiles.shape[1], -1, tiles.shape[3])[:, :length]
 
 
+@dataclass(frozen=True)
+class BatchMeta:
+    """The compiled kernel's view of a batch: every sequence's block table and window."""
+
+    tables: np.ndarray  # [sequences, max blocks] int64
+    starts: np.ndarray
+    qoffs: np.ndarray
+    news: np.ndarray
+    compiled: np.ndarray  # the sequences the compiled kernel takes
+    windows: list[SeqView]  # the others: numpy or onnxruntime, gathered by head
+
+
+def batch_meta(arena: KVArena, batch: FlatBatch, views: list[SeqView], float32: bool
+               ) -> BatchMeta:
+    bs = arena.block_size
+    news = np.diff(batch.cu_seqlens)
+    tables = np.zeros((batch.num_seqs, int(-(-(batch.starts + news).max() // bs))), np.int64)
+    compiled, windows = [], []
+    for i, view in enumerate(views):
+        blocks = arena.tables[int(batch.slots[i])].blocks[: -(-view.length // bs)]
+        tables[i, : len(blocks)] = blocks
+        small = view.bias is None or view.bias.size < ORT_WINDOW
+        (compiled.append(i) if float32 and small else windows.append(view))
+    return BatchMeta(tables, batch.starts.astype(np.int64), batch.cu_seqlens[:-1].astype(np.int64),
+                     news.astype(np.int64), np.array(compiled, np.int64), windows)
+
+
 class PagedAttention:
-    """The CPU attention backend of one model (`role`) over the shared arena."""
+    """The CPU attention backend of one model (`role`) over the shared arena.
+
+    Decode and verify windows go to the compiled kernel (kernels/cpu_verify.py) in one call
+    per layer; long windows (prefill) and non-float32 arenas to `attend` / onnxruntime."""
 
     def __init__(self, arena: KVArena, role: str):
         self.arena = arena
         self.role = role
         self.generation = -1
         self._batch: FlatBatch | None = None
-        self._views: list[SeqView] = []
+        self._meta: BatchMeta | None = None
 
-    def views(self, batch: FlatBatch) -> list[SeqView]:
+    def meta(self, batch: FlatBatch) -> BatchMeta:
         if self.generation != self.arena.generation:  # the arena grew: new buffer
             pool = self.arena.pools[self.role]
             self.k = [t.numpy() for t in pool.k]
             self.v = [t.numpy() for t in pool.v]
             self.generation = self.arena.generation
         if batch is not self._batch:
-            self._batch, self._views = batch, build_views(self.arena, batch)
-        return self._views
+            float32 = self.k[0].dtype == np.float32
+            self._batch = batch
+            self._meta = batch_meta(self.arena, batch, build_views(self.arena, batch), float32)
+        return self._meta
 
     def __call__(self, op: VerifyOp, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                  batch: FlatBatch) -> np.ndarray:
-        views = self.views(batch)
+        """q [T, heads, d], k/v [T, kv, d] -> [T, heads, d]."""
+        m = self.meta(batch)
         ka, va = self.k[op.layer], self.v[op.layer]
-        out = None if len(views) == 1 else np.empty_like(q[0])
-        for s in views:
-            if len(s.write_blocks) == 1:  # decode: plain indexing is 3x cheaper than fancy
-                block, offset, row = int(s.write_blocks[0]), int(s.write_offsets[0]), s.rows.start
-                ka[block, :, offset] = k[0, :, row]
-                va[block, :, offset] = v[0, :, row]
-            else:
-                ka[s.write_blocks, :, s.write_offsets] = k[0, :, s.rows].transpose(1, 0, 2)
-                va[s.write_blocks, :, s.write_offsets] = v[0, :, s.rows].transpose(1, 0, 2)
+        out = np.empty(q.shape, np.float32 if len(m.compiled) else q.dtype)
+        if len(m.compiled):
+            q, k, v = (np.ascontiguousarray(x, np.float32) for x in (q, k, v))
+            cpu_verify_attention(q, k, v, ka, va, m.tables, m.starts, m.qoffs, m.news,
+                                 m.compiled, op.scale, out)
+        for s in m.windows:
+            ka[s.write_blocks, :, s.write_offsets] = k[s.rows]
+            va[s.write_blocks, :, s.write_offsets] = v[s.rows]
             fn = ort_attend if s.bias is not None and s.bias.size >= ORT_WINDOW else attend
-            o = fn(q[0, :, s.rows], by_head(ka, s.blocks, s.length),
-                   by_head(va, s.blocks, s.length), s.bias, op.scale)
-            if out is None:
-                return o[None]
-            out[:, s.rows] = o
-        return out[None]
+            out[s.rows] = fn(q[s.rows].swapaxes(0, 1), by_head(ka, s.blocks, s.length),
+                             by_head(va, s.blocks, s.length), s.bias, op.scale).swapaxes(0, 1)
+        return out
