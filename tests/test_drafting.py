@@ -177,3 +177,46 @@ def test_plain_rate_must_be_beaten_by_the_margin():
     best = chooser.extension(seq.id, [], 4, seq.stats, behind=1)
     if best:
         assert chooser.rate([], best, seq.stats, 1) > MARGIN * plain
+
+
+def test_model_speed_is_judged_against_plain_rounds_realized_speed():
+    """Plain and model rounds both realize 70% of their predicted rate (costs that leave out
+    the engine's own work): the model keeps drafting. Only a model that falls short of what
+    plain rounds realize loses to plain."""
+    chooser = SourceChooser(DraftingConfig(), _costs(draft_ms=8.0))
+    seq = _seq([1])
+    plain, model = chooser.rate([]), chooser.rate([], 2, seq.stats, 1)
+    assert model > MARGIN * plain  # the model pays on the table's costs
+    for _ in range(20):
+        chooser.expect(seq.id, plain, "plain")
+        chooser.observe_round(seq.id, 7, 10 / plain)
+        chooser.expect(seq.id, model, "model")
+        chooser.observe_round(seq.id, 7, 10 / model)
+    assert chooser.state(seq.id).relative_speed() == pytest.approx(1.0)
+    assert chooser.extension(seq.id, [], 4, seq.stats, behind=1) > 0
+    for _ in range(20):  # model rounds now realize half of what plain rounds do
+        chooser.expect(seq.id, model, "model")
+        chooser.observe_round(seq.id, 35, 100 / model)
+    assert chooser.state(seq.id).relative_speed() == pytest.approx(0.5, rel=0.05)
+    assert chooser.extension(seq.id, [], 4, seq.stats, behind=1) == 0
+
+
+@pytest.mark.parametrize(("trust", "used"), [(0.3, "lookup"), (1.0, "draft")])
+def test_a_confident_lookup_runs_without_the_model(trust, used):
+    """A 2-token match (first draft ~40% likely) is verified alone, no draft forward, when
+    lookup_trust is below that; else a model cheap enough to beat it replaces it."""
+    model = FakeModel(cached=0)
+    hybrid = HybridDrafter(LookupDrafter(LookupConfig()), model, SourceChooser(
+        DraftingConfig(explore_every=1000, lookup_trust=trust), _costs(draft_ms=0.5)))
+    seq = _seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2])
+    model.cached_len = len(seq.tokens)
+    assert hybrid.survivals(seq) == [] and hybrid.propose(
+        [(seq, "hybrid", 4, 8)], keep=lambda s, j: True) == [used]
+    assert (model.asked == []) == (used == "lookup")
+
+
+def test_lookup_trust_is_validated():
+    from dspark.runtime.bundle.config import ConfigError
+
+    with pytest.raises(ConfigError, match="drafting.lookup_trust"):
+        DraftingConfig(lookup_trust=1.5).validate("drafting")

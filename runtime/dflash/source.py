@@ -11,8 +11,14 @@ Every source is scored by expected tokens per second of the round, from measured
 a_j is the lookup's survival to draft j (the product of its step confidences, calibrated
 per sequence by what was accepted), b_j the model's measured survival to position j on
 this sequence (prior PRIOR_ACCEPT^j, worth PRIOR_WEIGHT rounds). A source must beat plain
-decoding by MARGIN (the costs leave out the engine's own per-round work). A source that
-loses is re-measured every `explore_every` plain rounds with one cheap round.
+decoding by MARGIN. A source that loses is re-measured every `explore_every` plain rounds
+with one cheap round.
+
+The costs leave out the engine's own per-round work and drift with the context, so realized
+rates fall short of predicted ones: for model rounds and for plain rounds alike, each
+tracked as realized / predicted. The model is scored by its own ratio relative to plain's;
+scoring it by its own alone charged it for what plain decoding pays too, and on a CPU (a
+ratio of ~0.75 for both) turned most rounds plain when the model was 10-25% faster.
 """
 
 from __future__ import annotations
@@ -34,8 +40,14 @@ SMOOTHING = 0.2
 class SourceState:
     calibration: dict[str, float] = field(default_factory=dict)  # observed / predicted, EWMA
     idle_rounds: int = 0  # rounds since the model was last tried
-    model_speed: float = 1.0  # realized / predicted tokens per second of model rounds, EWMA
-    predicted: float | None = None  # the rate this round's model drafts were chosen for
+    speed: dict[str, float] = field(default_factory=dict)  # realized / predicted, per kind
+    predicted: tuple[str, float] | None = None  # this round's kind and predicted rate
+
+    def relative_speed(self) -> float:
+        """The model rounds' realized / predicted ratio over plain rounds' (1 until both
+        are measured)."""
+        model, plain = self.speed.get("model"), self.speed.get("plain")
+        return 1.0 if model is None or plain is None else model / plain
 
 
 class SourceChooser:
@@ -65,19 +77,21 @@ class SourceChooser:
         ratio = (accepted + 0.5) / (predicted + 0.5)
         cal[source] = min(1.5, max(0.2, old + SMOOTHING * (old * ratio - old)))
 
-    def expect(self, seq_id: int, rate: float | None) -> None:
-        """The model drafts this round, chosen for `rate` tokens per second."""
-        self.state(seq_id).predicted = rate
+    def expect(self, seq_id: int, rate: float | None, kind: str = "model") -> None:
+        """This round is a `kind` round (model or plain), chosen for `rate` tokens/s."""
+        self.state(seq_id).predicted = None if rate is None else (kind, rate)
 
     def observe_round(self, seq_id: int, tokens: int, seconds: float) -> None:
-        """A round's realized tokens and seconds: where the model drafted, what the cost
-        model left out (context length, catch-up chunks, the engine's own work) shows as
-        realized / predicted, and scales the model's expected rate from then on."""
+        """A round's realized tokens and seconds: what the cost model left out (context
+        length, catch-up chunks, the engine's own work) shows as realized / predicted for
+        its kind of round."""
         state = self.state(seq_id)
         if state.predicted and seconds > 0:
-            ratio = (tokens / seconds) / state.predicted
-            state.model_speed = min(1.5, max(0.4, state.model_speed + SMOOTHING * (
-                ratio * state.model_speed - state.model_speed)))
+            kind, predicted = state.predicted
+            ratio = (tokens / seconds) / predicted
+            old = state.speed.get(kind)
+            new = ratio if old is None else old + SMOOTHING * (ratio - old)
+            state.speed[kind] = min(1.5, max(0.3, new))
         state.predicted = None
 
     def forget(self, seq_id: int) -> None:
@@ -139,7 +153,7 @@ class SourceChooser:
         if base is None or self.rate(survivals, 1, stats, behind) is None:
             return None
         best, best_rate = 0, base * (1.0 if survivals else MARGIN)
-        speed = self.state(seq_id).model_speed
+        speed = self.state(seq_id).relative_speed()
         for extra in range(1, room + 1):
             r = speed * self.rate(survivals, extra, stats, behind, overhead)
             if r > best_rate:

@@ -1,8 +1,10 @@
 """The hybrid drafter: per sequence and round, the lookup, the draft model, both (a lookup
 prefix extended by the model) or nothing, by expected accepted tokens per second.
 
-    lookup   the lookup drafter proposes (free) up to the slot's lookup cap
-    extend   with P the pending drafts' survivals (lookup, held drafts), the model may
+    lookup   the lookup drafter proposes (free) up to the slot's lookup cap; a proposal whose
+             first draft is at least `lookup_trust` likely is verified alone (measured on
+             edit prompts: letting the model compete there cost 1.39x -> 1.22x of plain)
+    extend   otherwise, with P the pending drafts' survivals (lookup, held drafts), the model may
              add w drafts, w in 0..window, scored by SourceChooser:
                  (1 + sum P + P_last * sum_j b_j) / (w t_draft + t_main(|P| + w + 1))
              or replace them (P dropped, w >= 1), whichever promises more; w = 0 with
@@ -72,6 +74,8 @@ class HybridDrafter:
         pending = self.survivals(seq)
         if self.model is None or window <= 0:
             return 0
+        if pending and pending[0] >= self.chooser.config.lookup_trust:
+            return 0  # a confident lookup: verified as is, no draft forward spent
         # The model's catch-up beyond a round's usual one or two tokens (a prompt it never
         # read, lookup rounds it sat out) is paid once: charged per round, spread over
         # the output left (SourceChooser.catch_up), not all to this round.
@@ -98,6 +102,8 @@ class HybridDrafter:
         survivals, extra, read = chosen
         if extra and lag <= STEADY_BEHIND:  # a round with a long catch-up says little
             choose.expect(seq.id, choose.rate(survivals, extra, seq.stats, read))
+        elif not extra and not survivals:
+            choose.expect(seq.id, choose.rate([]), "plain")
         return extra
 
     def _drop_pending(self, seq: Sequence) -> None:
