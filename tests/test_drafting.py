@@ -167,6 +167,11 @@ def test_model_catch_up_is_spread_over_the_output_left():
     assert chooser.catch_up(2, 100, seq.stats) == 0.0  # a usual round's catch-up is free
     long_left, short_left = (chooser.catch_up(200, n, seq.stats) for n in (500, 5))
     assert 0 < long_left < short_left
+    # output sat out in lookup rounds comes back at every switch: charged to the round
+    sat_out = chooser.catch_up(9, 500, seq.stats, once=False)
+    assert sat_out == pytest.approx(chooser.costs.seconds("draft", 9)
+                                    - chooser.costs.seconds("draft", 2))
+    assert sat_out > chooser.catch_up(9, 500, seq.stats)
 
 
 def test_plain_rate_must_be_beaten_by_the_margin():

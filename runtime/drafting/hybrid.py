@@ -76,12 +76,13 @@ class HybridDrafter:
             return 0
         if pending and pending[0] >= self.chooser.config.lookup_trust:
             return 0  # a confident lookup: verified as is, no draft forward spent
-        # The model's catch-up beyond a round's usual one or two tokens (a prompt it never
-        # read, lookup rounds it sat out) is paid once: charged per round, spread over
-        # the output left (SourceChooser.catch_up), not all to this round.
+        # The model's catch-up beyond a round's usual one or two tokens: a prompt it never
+        # read is paid once (spread over the output left), output it sat out in lookup
+        # rounds is charged to this round (SourceChooser.catch_up).
         lag = len(seq.tokens) - min(self.model.cached(seq), len(seq.tokens))
         left = seq.request.max_tokens - len(seq.generated)
-        overhead = self.chooser.catch_up(lag, left, seq.stats)
+        read_prompt = self.model.cached(seq) >= seq.prompt_len
+        overhead = self.chooser.catch_up(lag, left, seq.stats, once=not read_prompt)
         if overhead is None:
             return 0 if pending else window
         behind = min(STEADY_BEHIND, lag)
