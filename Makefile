@@ -2,12 +2,14 @@
 #   make demo   set up, build the SmolLM2 sample pair, compile it, generate, benchmark
 #   make test   set up, run the test suite (what CI runs)
 #   make test-fast  the suite without the `slow` tier (SmolLM2, chi-square, Triton interpreter)
+#   make gpu-check  on a bare CUDA machine: the GPU proof with its own python3, nothing
+#                   installed (samples/gpu_check.py; `--prepare` its cubins here first)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 SAMPLE := build/smollm2
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup demo test test-fast lint clean gpu-check
 
 setup: $(VENV)/.dspark-installed
 
@@ -40,3 +42,6 @@ lint: setup
 
 clean:
 	rm -rf build
+
+gpu-check:  # the venv's python where there is one, else the machine's own python3
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) samples/gpu_check.py
