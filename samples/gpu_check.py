@@ -16,9 +16,9 @@ Each step is timed and logged; all of it fits in about eight minutes on an H200:
                   split-KV off and on, and kv_inject
   4. bench        samples/bench_kernels.py (7B-like GQA and SmolLM2, windows 1/4/8, contexts
                   512/4k/16k, batch 1/16): GB/s and share of the HBM peak against SDPA
-  5. lossless     the engine on CUDA needs onnxruntime's CUDA provider; without it (the
-                  lease's machine), the kernel-level check (samples/gpu_lossless.py):
-                  speculative decoding verified by the kernels == plain greedy decoding
+  5. lossless     the kernel-level check (samples/gpu_lossless.py): speculative decoding
+                  verified by the kernels == plain greedy decoding; and the engine on CUDA
+                  (tests/test_gpu.py) where onnxruntime has its CUDA provider, else why not
 Writes summary.json and gpu_check.log under --out ($OUT when set, else build/gpu-check) and
 prints a short table. Without CUDA it says in one line what it would have run and exits 0;
 `--interpret` runs steps 3 and 5 at small sizes under Triton's CPU interpreter instead (CI
@@ -253,8 +253,19 @@ def lossless(device, library_for, quick: bool) -> dict:
 
     result = check(device, library_for, windows=(1, 4) if quick else (1, 4, 8),
                    new_tokens=16 if quick else 48)
-    result["engine_on_cuda"] = "not run: " + problem if problem else "run it: pytest -m gpu"
+    result["engine_on_cuda"] = "not run: " + problem if problem else _engine_tests()
     return result
+
+
+def _engine_tests() -> str:
+    """The engine on CUDA through tests/test_gpu.py (fixture bundles compiled on the spot:
+    needs the dev extra; a missing part shows as the tests' own error)."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py"],
+                       capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    tail = (r.stdout.strip().splitlines() or ["no output"])[-1]
+    return f"pytest -m gpu tests/test_gpu.py: exit {r.returncode}: {tail}"
 
 
 def main() -> int:
