@@ -101,8 +101,8 @@ class HybridDrafter:
         elif not keep and choose.explore(seq.id):
             chosen = ([], 1, behind)
         survivals, extra, read = chosen
-        if extra and lag <= STEADY_BEHIND:  # a round with a long catch-up says little
-            choose.expect(seq.id, choose.rate(survivals, extra, seq.stats, read))
+        if extra and (lag <= STEADY_BEHIND or read_prompt):  # a prompt catch-up says little
+            choose.expect(seq.id, choose.rate(survivals, extra, seq.stats, read, overhead))
         elif not extra and not survivals:
             choose.expect(seq.id, choose.rate([]), "plain")
         return extra
