@@ -68,6 +68,11 @@ class ModelSpec:
     # positions the graph can embed (its rotary tables' rows); None: no such limit
     max_positions: int | None = None
 
+    def same_cache(self, other: ModelSpec) -> bool:
+        """Whether `other`'s KV cache has this model's layers, heads and dtype."""
+        return (self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype) == (
+            other.num_layers, other.num_kv_heads, other.head_dim, other.kv_dtype)
+
     def __post_init__(self) -> None:
         if self.kv_dtype not in _DTYPE_BYTES:
             raise ValueError(f"kv_dtype {self.kv_dtype!r} not in {sorted(_DTYPE_BYTES)}")

@@ -6,6 +6,15 @@ catch-up: the prompt, the last round's accepted tokens, held drafts, a lookup pr
 each new draft. Long catch-ups are fed in chunks with no draft that round, like prompts are
 to the main. Per drafted position the draft's confidence is recorded: its top-1 probability
 and the entropy of its renormalised top-3, for the window policies.
+
+A draft with the main's cache geometry and token ids (a quantized copy of the main, the
+common self-speculative pair) reads the main's KV cache instead of keeping its own
+(`drafting.share_main_kv`): everything the main has cached counts as read, so it never
+prefills the prompt or catches up on tokens it sat out, only the main's newest token and
+its drafts; it writes their K/V into the main's pool past the main's length, where the
+main's verify overwrites them before reading them (append, then attend) and a rejection
+leaves them past the main's length again. Output is the main's alone either way; only the
+proposals change (an int4 copy reading fp32 K/V).
 """
 
 from __future__ import annotations
@@ -51,15 +60,25 @@ class DraftCache:
     offsets: list[int] = field(default_factory=lambda: [0])  # its positions after each
 
 
+def _read_main(cache: DraftCache, main_cached: int) -> None:
+    """A shared-cache draft has read whatever the main's cache holds (one position per
+    token: shared drafts have no token map)."""
+    if cache.cached < main_cached:
+        cache.offsets.extend(range(len(cache.offsets), main_cached + 1))
+        cache.cached = main_cached
+
+
 class ModelDrafter:
     name = "draft"
 
     def __init__(self, runners: dict[str, ModelRunner], arena: KVArena, default: str,
                  token_maps: dict[str, TokenMap], catch_up: Callable[[], int],
-                 room: Callable[[Sequence], int]):
+                 room: Callable[[Sequence], int], shared: frozenset[str] = frozenset()):
         """token_maps: draft role -> its map to main ids (where tokenizers differ);
         catch_up(): tokens fed per forward while catching up; room(seq): positions the
-        sequence may fill in any pool (its reservation)."""
+        sequence may fill in any pool (its reservation); shared: the roles that read the
+        main's KV cache (their runners' pool is the main's, see the module doc)."""
+        self.shared = shared
         self.runners = runners
         self.arena = arena
         self.default = default  # RAS may switch it; sequences follow from their next round
@@ -75,7 +94,8 @@ class ModelDrafter:
         cache = self.caches.get(w.seq.id)
         if cache is None or cache.role != role:
             if cache is not None:
-                self.arena.rollback(w.seq.id, self.runners[cache.role].pool, 0)
+                if cache.role not in self.shared:  # never cut the main's own cache
+                    self.arena.rollback(w.seq.id, self.runners[cache.role].pool, 0)
                 w.state.clear()
             cache = self.caches[w.seq.id] = DraftCache(role)
         return cache
@@ -96,6 +116,8 @@ class ModelDrafter:
             chunks, rows, fed, live = [], [], [], []
             for w in active:
                 cache = self.caches[w.seq.id]
+                if cache.role in self.shared:
+                    _read_main(cache, w.seq.main_cached)
                 behind = w.seq.tokens + w.state.tokens
                 feed = behind[cache.cached:cache.cached + self.catch_up()]
                 pieces = [tmap.pieces(t) for t in feed] if tmap else [[t] for t in feed]
@@ -122,9 +144,10 @@ class ModelDrafter:
 
     def cached(self, seq: Sequence) -> int:
         """Tokens of `tokens + pending` the sequence's draft cache holds (0: none yet)."""
+        role = seq.request.draft_model or self.default
         cache = self.caches.get(seq.id)
-        return cache.cached if cache is not None and cache.role == (
-            seq.request.draft_model or self.default) else 0
+        cached = cache.cached if cache is not None and cache.role == role else 0
+        return max(cached, seq.main_cached) if role in self.shared else cached
 
     def trim(self, seq: Sequence, valid: int) -> None:
         """`tokens + pending` is unchanged through position `valid`: roll the cache back."""
@@ -133,7 +156,8 @@ class ModelDrafter:
             return
         cache.cached = valid
         del cache.offsets[valid + 1:]
-        self.arena.rollback(seq.id, self.runners[cache.role].pool, cache.offsets[-1])
+        if cache.role not in self.shared:  # the main rolls its own cache back
+            self.arena.rollback(seq.id, self.runners[cache.role].pool, cache.offsets[-1])
 
     def release(self, seq: Sequence) -> None:
         self.caches.pop(seq.id, None)

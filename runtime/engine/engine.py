@@ -66,7 +66,9 @@ class Engine:
         self.arena = KVArena(bundle.plan, device=self.device)
         self.arena.zero_rejected = self.config.cache_health.zero_rejected_slots
         self.main = ModelRunner(bundle, "main", self.arena, self.costs, kernels=kernels)
-        self.draft_models = {r: ModelRunner(bundle, r, self.arena, self.costs, kernels=kernels)
+        self.shared_kv = shared_kv_roles(bundle, self.config.drafting.share_main_kv)
+        self.draft_models = {r: ModelRunner(bundle, r, self.arena, self.costs, kernels=kernels,
+                                            pool="main" if r in self.shared_kv else None)
                              for r in bundle.draft_models}
         self.resources = ResourceManager(self.config.resources, probe_device(self.device),
                                          bundle.draft_models)
@@ -279,4 +281,12 @@ def _model_drafter(engine: Engine, bundle: Bundle) -> ModelDrafter | None:
 
     maps = {"draft": bundle.token_map} if bundle.token_map is not None else {}
     return ModelDrafter(engine.draft_models, engine.arena, engine.resources.draft, maps,
-                        lambda: engine.scheduler.prefill_tokens, room)
+                        lambda: engine.scheduler.prefill_tokens, room, engine.shared_kv)
+
+
+def shared_kv_roles(bundle: Bundle, enabled: bool) -> frozenset[str]:
+    """The draft models that read the main's KV cache (config drafting.share_main_kv): same
+    cache geometry as the main and the same token ids (no token map)."""
+    main = bundle.model("main")
+    return frozenset(r for r in bundle.draft_models if enabled and main.same_cache(
+        bundle.model(r)) and not (r == "draft" and bundle.token_map is not None))

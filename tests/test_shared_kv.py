@@ -1,0 +1,82 @@
+"""A draft model with the main's cache geometry and token ids reads the main's KV cache
+(drafting.share_main_kv): no prompt prefill, no catch-up, output still the main's alone."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from dspark.compiler.compile import CompileOptions, compile_bundle
+from dspark.compiler.progress import Progress
+from dspark.compiler.reference import OriginalModel
+from dspark.runtime.bundle.bundle import open_bundle
+from dspark.runtime.engine.engine import Engine, shared_kv_roles
+from dspark.runtime.sequence.request import GenerationRequest
+from dspark.runtime.sequence.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def self_draft(fixture_pairs, tmp_path_factory):
+    """The llama fixture as its own draft: the cache geometry matches by construction."""
+    main, _ = fixture_pairs[("llama", "classic")]
+    out = tmp_path_factory.mktemp("selfdraft") / "self.dsmodel"
+    compile_bundle(CompileOptions(main, main, out), Progress(quiet=True))
+    return main, out
+
+
+def _engine(path, share: bool, **kw) -> Engine:
+    bundle = open_bundle(path)
+    drafting = dataclasses.replace(bundle.config.drafting, share_main_kv=share)
+    return Engine(bundle, "fixed", 4, max_batch=4,
+                  config=dataclasses.replace(bundle.config, drafting=drafting), **kw)
+
+
+def test_only_a_draft_with_the_mains_cache_shares_it(self_draft, compiled):
+    assert shared_kv_roles(open_bundle(self_draft[1]), True) == {"draft"}
+    assert shared_kv_roles(open_bundle(self_draft[1]), False) == frozenset()
+    for pair, path in compiled.items():  # the fixtures' drafts are smaller models
+        assert shared_kv_roles(open_bundle(path), True) == frozenset(), pair
+
+
+@pytest.mark.parametrize("method", ["draft", "hybrid"])
+def test_shared_cache_is_lossless_and_skips_the_prompt(self_draft, method):
+    main, path = self_draft
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in (3, 17, 40)]
+    original = OriginalModel(main)
+    runs = {}
+    for share in (True, False):
+        engine = _engine(path, share)
+        seqs = engine.generate([GenerationRequest(tuple(p), 24, method=method)
+                                for p in prompts])
+        for p, seq in zip(prompts, seqs):
+            assert seq.generated == original.greedy(p, 24), (share, method)
+        assert engine.arena.free_blocks == engine.plan.num_blocks
+        runs[share] = (engine.draft_models["draft"].tokens,
+                       sum(s.stats.draft_tokens + s.stats.rounds for s in seqs))
+    (shared, bound), (own, _) = runs[True], runs[False]
+    # sharing, the draft never reads a prompt: per round the main's newest token and drafts
+    assert 0 < shared <= bound
+    if method == "draft":  # its own cache: every prompt read first (the hybrid may skip one)
+        assert own >= sum(map(len, prompts))
+
+
+def test_identical_draft_on_the_mains_cache_proposes_the_mains_tokens(self_draft):
+    """The main model as its own draft, reading the main's own K/V: its greedy proposals
+    are the main's (near-ties aside), so nearly every draft is accepted."""
+    _, path = self_draft
+    engine = _engine(path, True)
+    [seq] = engine.generate([GenerationRequest(tuple(range(5, 30)), 40, method="draft")])
+    assert seq.stats.draft_tokens >= 20
+    assert seq.stats.accepted_tokens >= 0.95 * seq.stats.draft_tokens
+
+
+def test_shared_cache_sampling_runs(self_draft):
+    _, path = self_draft
+    engine = _engine(path, True)
+    request = GenerationRequest(tuple(range(5, 20)), 24, method="draft",
+                                sampling=SamplingParams(temperature=0.8, seed=3))
+    [seq] = engine.generate([request])
+    assert len(seq.generated) == 24 and seq.stats.accepted_tokens > 0
