@@ -49,6 +49,16 @@ def compiled(fixture_pairs, tmp_path_factory) -> dict[tuple[str, str], Path]:
 
 
 @pytest.fixture(scope="session")
+def self_bundle(fixture_pairs, tmp_path_factory) -> tuple[Path, Path]:
+    """(bundle, main.onnx): the llama fixture with itself as the draft (every draft token is
+    accepted; its cache geometry is the main's, so it reads the main's cache)."""
+    main, _ = fixture_pairs[("llama", "classic")]
+    out = tmp_path_factory.mktemp("self") / "self.dsmodel"
+    compile_bundle(CompileOptions(main, main, out), Progress(quiet=True))
+    return out, main
+
+
+@pytest.fixture(scope="session")
 def smollm2_pair() -> Path:
     """The README's sample: SmolLM2-135M-Instruct fp32 main + int4 draft (cached in build/)."""
     import smollm2

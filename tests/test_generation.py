@@ -71,18 +71,6 @@ def test_greedy_lossless_on_fixtures(fixture_pairs, compiled, pair):
     _check_lossless(compiled[pair], fixture_pairs[pair][0], prompts)
 
 
-@pytest.fixture(scope="module")
-def self_bundle(fixture_pairs, tmp_path_factory):
-    """The llama fixture with itself as the draft: every draft token is accepted."""
-    from dspark.compiler.compile import CompileOptions, compile_bundle
-    from dspark.compiler.progress import Progress
-
-    main, _ = fixture_pairs[("llama", "classic")]
-    out = tmp_path_factory.mktemp("self") / "self.dsmodel"
-    compile_bundle(CompileOptions(main, main, out), Progress(quiet=True))
-    return out, main
-
-
 def test_speculation_accepts_when_draft_is_main(self_bundle):
     """Draft == main: every draft token is accepted, the bonus path runs every round."""
     out, main = self_bundle

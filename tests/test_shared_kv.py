@@ -8,8 +8,6 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dspark.compiler.compile import CompileOptions, compile_bundle
-from dspark.compiler.progress import Progress
 from dspark.compiler.reference import OriginalModel
 from dspark.runtime.bundle.bundle import open_bundle
 from dspark.runtime.engine.engine import Engine, shared_kv_roles
@@ -18,12 +16,9 @@ from dspark.runtime.sequence.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def self_draft(fixture_pairs, tmp_path_factory):
-    """The llama fixture as its own draft: the cache geometry matches by construction."""
-    main, _ = fixture_pairs[("llama", "classic")]
-    out = tmp_path_factory.mktemp("selfdraft") / "self.dsmodel"
-    compile_bundle(CompileOptions(main, main, out), Progress(quiet=True))
-    return main, out
+def self_draft(self_bundle):
+    """(main.onnx, bundle): the llama fixture as its own draft (conftest's self_bundle)."""
+    return self_bundle[1], self_bundle[0]
 
 
 def _engine(path, share: bool, **kw) -> Engine:
