@@ -15,6 +15,7 @@ LOGITS = "logits"
 LOGITS_INDEX = "logits_index"
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+LAYOUTS = ("heads", "tokens")  # SpeculativeVerify's tensor layouts (VerifyOp)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class VerifyOp:
     scale: float
     after_segment: int
     layout: str = "heads"
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"{self.name}: layout {self.layout!r} not in {LAYOUTS}")
 
 
 @dataclass(frozen=True)

@@ -12,17 +12,12 @@ import numpy as np
 
 from dspark.runtime.bundle.spec import VerifyOp
 
-LAYOUTS = ("heads", "tokens")
-
 
 def rows(x, op: VerifyOp, heads: int):
     """One of q/k/v as [T, heads, dim] (a view)."""
     if op.layout == "tokens":
         return x.reshape(-1, heads, op.head_dim)
-    if op.layout == "heads":
-        return x[0].swapaxes(0, 1)
-    raise ValueError(f"SpeculativeVerify {op.name}: unknown layout {op.layout!r} "
-                     f"(known: {', '.join(LAYOUTS)})")
+    return x[0].swapaxes(0, 1)
 
 
 def from_rows(out, op: VerifyOp):
