@@ -23,6 +23,7 @@ from dspark.runtime.sequence.request import GenerationRequest, Sequence
 from dspark.runtime.sequence.sampling import SamplingParams
 from dspark.runtime.sequence.validate import draft_role, validate
 from dspark.runtime.server import errors
+from dspark.runtime.server.auth import BearerAuth
 from dspark.runtime.server.body_limit import BodyLimit
 from dspark.runtime.server.errors import APIError
 from dspark.runtime.server.metrics import Metrics
@@ -61,14 +62,7 @@ def create_app(state: ServerState, warmup: bool = True) -> FastAPI:
     app = FastAPI(title="DSpark", docs_url=None, redoc_url=None, lifespan=lifespan)
     errors.install(app)
     app.add_middleware(BodyLimit, max_bytes=state.max_body_bytes)
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if state.api_key and request.url.path != "/health":
-            if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
-                return APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                code="invalid_api_key").response()
-        return await call_next(request)
+    app.add_middleware(BearerAuth, api_key=state.api_key)  # outermost: runs first
 
     @app.get("/health")
     async def health():
