@@ -150,3 +150,35 @@ def test_draft_reads_the_emoji_as_its_own_byte_tokens(mapped, tmp_path):
                                            (307 + SHIFT) % 320]
     m.save(tmp_path / "m.json")
     assert TokenMap.load(tmp_path / "m.json", 320, 320).pieces(305) == emoji_pieces
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_mapped_draft_at_the_exact_length_limit_in_a_small_arena(mapped, tmp_path, sampled):
+    """Emoji prompts expand to four draft tokens each, so the mapped draft's positions run
+    ahead of the main's; generating to exactly max_seq_len, batched in an arena that holds
+    only a few sequences, the draft must stop at each sequence's reservation (the stall is
+    counted) while the output stays the original model's and every block comes back."""
+    from dspark.compiler.compile import CompileOptions, compile_bundle
+    from dspark.compiler.progress import Progress
+
+    out = tmp_path / "small.dsmodel"
+    compile_bundle(CompileOptions(mapped["main"], mapped["draft"], out, auto_token_map=True,
+                                  max_seq_len=48, kv_budget_mb=0.2), Progress(quiet=True))
+    bundle = open_bundle(out)
+    emoji = 305
+    rng = np.random.default_rng(11)
+    prompts = [[emoji, 306, emoji, 307, emoji, *map(int, rng.integers(0, 300, n))]
+               for n in (1, 4, 9, 16, 23)]
+    params = SamplingParams(temperature=0.8, seed=3) if sampled else SamplingParams(0.0)
+    engine = Engine(bundle, "fixed", 4, max_batch=5)
+    assert bundle.plan.num_blocks * bundle.plan.block_size < 5 * 48  # not all at once
+    seqs = engine.generate([GenerationRequest(tuple(p), 48 - len(p), params, method="draft")
+                            for p in prompts])
+    original = OriginalModel(mapped["main"])
+    for p, seq in zip(prompts, seqs):
+        assert len(seq.generated) == 48 - len(p) and seq.finish_reason == "length"
+        if not sampled:
+            assert seq.generated == original.greedy(p, 48 - len(p))
+    assert engine.drafting.model.room_stalls > 0
+    assert sum(s.stats.accepted_tokens for s in seqs) > 0
+    assert engine.arena.free_blocks == bundle.plan.num_blocks and not engine.scheduler.reserved

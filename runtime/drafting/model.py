@@ -86,6 +86,7 @@ class ModelDrafter:
         self.catch_up = catch_up
         self.room = room
         self.caches: dict[int, DraftCache] = {}
+        self.room_stalls = 0  # draft windows cut short by a sequence's reservation
 
     def _bind(self, w: DraftWork) -> DraftCache:
         """The draft this sequence uses this round. On a change its cache starts empty (it
@@ -124,6 +125,7 @@ class ModelDrafter:
                 width = sum(len(p) for p in pieces)
                 if cache.offsets[-1] + width > self.room(w.seq):
                     w.window = len(w.state)  # no room left for the draft: no more drafts
+                    self.room_stalls += 1
                     continue
                 chunks.append((w.seq.id, cache.offsets[-1], [d for p in pieces for d in p]))
                 rows.append(1 if cache.cached + len(feed) == len(behind) else 0)
