@@ -25,10 +25,14 @@ BUILD = ROOT / "build"
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "samples"))
 
-from dspark.compiler.compile import CompileOptions, compile_bundle  # noqa: E402
-from dspark.compiler.progress import Progress  # noqa: E402
+from dspark.compiler.compile import CompileOptions  # noqa: E402
 
+from bundle_cache import compiled as compiled_bundle  # noqa: E402
 from model_fixtures import build_fixtures  # noqa: E402
+
+# the fixture bundles' KV arena: every engine zero-fills its arena at construction (0.18 s
+# for the 512 MB default), and no test needs more than this
+TEST_KV_MB = 32
 
 
 @pytest.fixture(scope="session")
@@ -43,8 +47,8 @@ def compiled(fixture_pairs, tmp_path_factory) -> dict[tuple[str, str], Path]:
     out = {}
     for (arch, form), (main, draft) in fixture_pairs.items():
         path = root / f"{arch}-{form}.dsmodel"
-        compile_bundle(CompileOptions(main, draft, path), Progress(quiet=True))
-        out[(arch, form)] = path
+        out[(arch, form)] = compiled_bundle(CompileOptions(main, draft, path,
+                                                           kv_budget_mb=TEST_KV_MB))
     return out
 
 
@@ -54,8 +58,7 @@ def self_bundle(fixture_pairs, tmp_path_factory) -> tuple[Path, Path]:
     accepted; its cache geometry is the main's, so it reads the main's cache)."""
     main, _ = fixture_pairs[("llama", "classic")]
     out = tmp_path_factory.mktemp("self") / "self.dsmodel"
-    compile_bundle(CompileOptions(main, main, out), Progress(quiet=True))
-    return out, main
+    return compiled_bundle(CompileOptions(main, main, out, kv_budget_mb=TEST_KV_MB)), main
 
 
 @pytest.fixture(scope="session")
@@ -71,9 +74,8 @@ def smollm2_pair() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_bundle(smollm2_pair, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("smollm2") / "smollm2.dsmodel"
-    compile_bundle(CompileOptions(smollm2_pair / "main.onnx", smollm2_pair / "draft.onnx", path),
-                   Progress(quiet=True))
-    return path
+    return compiled_bundle(CompileOptions(smollm2_pair / "main.onnx",
+                                          smollm2_pair / "draft.onnx", path))
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
@@ -110,9 +112,8 @@ def _tok_bundle(fixture_pairs, root: Path, arch: str) -> Path:
                                                                     CHAT_TEMPLATE}))
     main, draft = fixture_pairs[(arch, "classic")]
     out = root / "tok.dsmodel"
-    compile_bundle(CompileOptions(main, draft, out, tokenizer=root / "tok", max_seq_len=64),
-                   Progress(quiet=True))
-    return out
+    return compiled_bundle(CompileOptions(main, draft, out, tokenizer=root / "tok",
+                                          max_seq_len=64, kv_budget_mb=TEST_KV_MB))
 
 
 def pytest_collection_modifyitems(config, items):

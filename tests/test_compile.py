@@ -77,9 +77,14 @@ def _digests(root):
 
 
 def test_same_inputs_give_byte_identical_bundle(fixture_pairs, compiled, tmp_path):
+    """The fixture bundle (compiled in this process, or by an earlier one into the test
+    bundle cache) and a fresh compile of the same inputs are byte-identical."""
+    from conftest import TEST_KV_MB
+
     main, draft = fixture_pairs[("llama", "dynamo")]
     again = tmp_path / "again.dsmodel"
-    compile_bundle(CompileOptions(main, draft, again), Progress(quiet=True))
+    compile_bundle(CompileOptions(main, draft, again, kv_budget_mb=TEST_KV_MB),
+                   Progress(quiet=True))
     assert _digests(again) == _digests(compiled[("llama", "dynamo")])
 
 

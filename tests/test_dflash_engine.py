@@ -8,8 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from dspark.compiler.compile import CompileOptions, compile_bundle
-from dspark.compiler.progress import Progress
+from dspark.compiler.compile import CompileOptions
 from dspark.compiler.reference import OriginalModel
 from dspark.runtime.bundle.bundle import open_bundle
 from dspark.runtime.bundle.config import DFlashConfig, ResourceConfig, ResourceRow, TenantConfig
@@ -17,15 +16,16 @@ from dspark.runtime.dflash.ras import Device, match_row, probe_device
 from dspark.runtime.engine.engine import Engine
 from dspark.runtime.sequence.request import GenerationRequest
 
+from bundle_cache import compiled
+
 
 @pytest.fixture(scope="module")
 def two_drafts(fixture_pairs, tmp_path_factory):
     """llama main with itself as the big draft and its 1-layer draft as the small one."""
     main, small = fixture_pairs[("llama", "classic")]
     out = tmp_path_factory.mktemp("ras") / "two.dsmodel"
-    compile_bundle(CompileOptions(main, main, out, kv_budget_mb=1, max_seq_len=160,
-                                  extra_drafts=(("small", small),)), Progress(quiet=True))
-    return out, main
+    return compiled(CompileOptions(main, main, out, kv_budget_mb=1, max_seq_len=160,
+                                   extra_drafts=(("small", small),))), main
 
 
 def test_probe_and_table():

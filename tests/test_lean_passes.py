@@ -17,6 +17,7 @@ from dspark.compiler.passes.rotary import TableMaker, rotary_tables
 from dspark.runtime.bundle.bundle import open_bundle
 from dspark.runtime.bundle.spec import POSITION_IDS
 
+from bundle_cache import compiled
 from model_fixtures import ARCHS, FORMS
 
 PAIRS = [(a, f) for a in ARCHS for f in FORMS]
@@ -183,15 +184,14 @@ def test_a_flattened_batch_longer_than_the_rotary_tables(fixture_pairs, tmp_path
     """Four 40-token prompts read in one forward: 160 tokens in the flattened batch against
     rotary tables of 64 positions, every sequence within them; onnxruntime's op refuses a
     sequence longer than its tables, so the fused rotary runs one token per batch row."""
-    from dspark.compiler.compile import CompileOptions, compile_bundle
-    from dspark.compiler.progress import Progress
+    from dspark.compiler.compile import CompileOptions
     from dspark.compiler.reference import OriginalModel
     from dspark.runtime.engine.engine import Engine
     from dspark.runtime.sequence.request import GenerationRequest
 
     main, draft = fixture_pairs[("llama", "classic")]
     out = tmp_path / "short.dsmodel"
-    compile_bundle(CompileOptions(main, draft, out, max_seq_len=64), Progress(quiet=True))
+    compiled(CompileOptions(main, draft, out, max_seq_len=64))
     assert open_bundle(out).model("main").max_positions == 64
     rng = np.random.default_rng(5)
     prompts = [[int(t) for t in rng.integers(0, 320, 40)] for _ in range(4)]

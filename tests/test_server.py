@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import CHAT, MODEL, LiveServer, api_error
 
+from bundle_cache import compiled
 from cli_helpers import run_dsrun
 
 
@@ -324,12 +325,11 @@ def test_metrics_scraped_while_streams_run(server):
 
 
 def test_draftless_bundle_serves_lookup_only(fixture_pairs, tmp_path):
-    from dspark.compiler.compile import CompileOptions, compile_bundle
-    from dspark.compiler.progress import Progress
+    from dspark.compiler.compile import CompileOptions
 
     main, _ = fixture_pairs[("llama", "classic")]
     bundle = tmp_path / "lookup.dsmodel"
-    compile_bundle(CompileOptions(main, None, bundle, aot=False), Progress(quiet=True))
+    compiled(CompileOptions(main, None, bundle, aot=False))
     with LiveServer(bundle, warmup=False) as live:
         client = live.client()
         [model] = client.models.list().data

@@ -18,6 +18,7 @@ from dspark.runtime.engine.engine import Engine
 from dspark.runtime.sequence.request import GenerationRequest
 from dspark.runtime.sequence.sampling import SamplingParams
 
+from bundle_cache import compiled
 from cli_helpers import run_dsc
 from model_fixtures import EMOJI, SHIFT, build_mapped_pair
 
@@ -158,12 +159,11 @@ def test_mapped_draft_at_the_exact_length_limit_in_a_small_arena(mapped, tmp_pat
     ahead of the main's; generating to exactly max_seq_len, batched in an arena that holds
     only a few sequences, the draft must stop at each sequence's reservation (the stall is
     counted) while the output stays the original model's and every block comes back."""
-    from dspark.compiler.compile import CompileOptions, compile_bundle
-    from dspark.compiler.progress import Progress
+    from dspark.compiler.compile import CompileOptions
 
     out = tmp_path / "small.dsmodel"
-    compile_bundle(CompileOptions(mapped["main"], mapped["draft"], out, auto_token_map=True,
-                                  max_seq_len=48, kv_budget_mb=0.2), Progress(quiet=True))
+    compiled(CompileOptions(mapped["main"], mapped["draft"], out, auto_token_map=True,
+                            max_seq_len=48, kv_budget_mb=0.2))
     bundle = open_bundle(out)
     emoji = 305
     rng = np.random.default_rng(11)
