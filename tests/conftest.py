@@ -128,3 +128,22 @@ def pytest_collection_modifyitems(config, items):
 def kernel_device() -> torch.device:
     """Where the kernel tests run: the GPU when there is one, else the CPU (interpreter)."""
     return torch.device("cuda") if CUDA else torch.device("cpu")
+
+
+@pytest.fixture(scope="session")
+def json_bundle(fixture_pairs, tmp_path_factory) -> Path:
+    """The llama fixture with a byte-level BPE tokenizer (fits its 320 ids) that can spell
+    any JSON, an EOS token and a chat template: structured output on a random model."""
+    import json
+
+    from model_fixtures import json_tokenizer
+
+    root = tmp_path_factory.mktemp("json")
+    (root / "tok").mkdir()
+    json_tokenizer().save(str(root / "tok" / "tokenizer.json"))
+    (root / "tok" / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHAT_TEMPLATE, "eos_token": "<eos>"}))
+    main, draft = fixture_pairs[("llama", "classic")]
+    return compiled_bundle(CompileOptions(main, draft, root / "json.dsmodel",
+                                          tokenizer=root / "tok", max_seq_len=256,
+                                          kv_budget_mb=TEST_KV_MB))

@@ -187,3 +187,24 @@ def fit_byte_embeddings(main, draft, byte_ids: list[int], emoji: int, to_draft: 
     with torch.no_grad():
         pairs = [batch(64, prefix) for prefix in range(7)]
     return sum(float((w.argmax(-1) == g.argmax(-1)).float().mean()) for w, g in pairs) / 7
+
+
+JSON_CORPUS = ['{"name": "Ada", "age": 36, "tags": ["math", "code"], "ok": true}',
+               '{"id": 7, "items": [{"sku": "x1", "qty": 2}], "note": null, "price": 9.5}',
+               "the user asks for a short answer in json with a name and a list of values",
+               '{"city": "Paris", "country": "France", "population": 2100000}']
+
+
+def json_tokenizer():
+    """A byte-level BPE tokenizer of 319 tokens and <eos>, trained on a little JSON: every
+    string has a spelling, so a grammar can drive the 320-id fixture models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(JSON_CORPUS * 4, trainer)
+    return tok

@@ -27,6 +27,7 @@ from dspark.runtime.drafting.state import DraftState, settle
 from dspark.runtime.sequence.request import Sequence
 
 Keep = Callable[[Sequence, int], bool]
+FORCED = "grammar"  # the source name of forced drafts
 
 
 class HybridDrafter:
@@ -106,6 +107,20 @@ class HybridDrafter:
         elif not extra and not survivals:
             choose.expect(seq.id, choose.rate([]), "plain")
         return extra
+
+    def force(self, seq: Sequence, tokens: list[int]) -> None:
+        """Drafts that cost nothing and are sure to survive (a grammar's forced tokens)."""
+        st = self.state(seq)
+        for token in tokens:
+            st.add(token, FORCED)
+
+    def truncate(self, seq: Sequence, keep: int) -> None:
+        """Keep only the first `keep` pending drafts."""
+        st = self.state(seq)
+        if keep < len(st):
+            st.truncate(keep)
+            for drafter in self.drafters:
+                drafter.trim(seq, len(seq.tokens) + keep)
 
     def _drop_pending(self, seq: Sequence) -> None:
         self.state(seq).clear()

@@ -38,6 +38,11 @@ class DraftState:
         for buf in (self.tokens, self.q, self.confidence, self.entropy, self.sources):
             del buf[:n]
 
+    def truncate(self, keep: int) -> None:
+        """Forget every pending draft after the first `keep`."""
+        for buf in (self.tokens, self.q, self.confidence, self.entropy, self.sources):
+            del buf[keep:]
+
     def clear(self) -> None:
         self.drop(len(self.tokens))
 

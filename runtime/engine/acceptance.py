@@ -43,6 +43,15 @@ def accept_greedy(drafts: list[int], main_logits: np.ndarray) -> Acceptance:
     return Acceptance(drafts[:n] + [int(targets[n])], n, len(drafts))
 
 
+def accept_greedy_rows(drafts: list[int], rows) -> Acceptance:
+    """accept_greedy over rows read in order, only up to the first rejection (masked rows,
+    runtime/grammar, are computed on demand)."""
+    n = 0
+    while n < len(drafts) and drafts[n] == int(np.argmax(rows[n])):
+        n += 1
+    return Acceptance(drafts[:n] + [int(np.argmax(rows[n]))], n, len(drafts))
+
+
 def accept_sampled(drafts: list[int], q, p, rng: np.random.Generator) -> Acceptance:
     """q[i]: draft i's proposal distribution [vocab], None where it was proposed
     deterministically (a lookup: q one-hot); p[i]: the main probabilities at position i

@@ -34,6 +34,7 @@ from dspark.runtime.engine.acceptance import (
     Acceptance,
     LazyRows,
     accept_greedy,
+    accept_greedy_rows,
     accept_sampled,
 )
 from dspark.runtime.engine.emit import emit
@@ -41,6 +42,7 @@ from dspark.runtime.engine.planner import WindowPlanner
 from dspark.runtime.engine.round_plan import RoundPlan, Slot
 from dspark.runtime.engine.scheduler import Scheduler
 from dspark.runtime.errors import RequestError
+from dspark.runtime.grammar.constraint import GrammarBook
 from dspark.runtime.model.costs import CostModel
 from dspark.runtime.model.device import resolve_device
 from dspark.runtime.model.profile import warmup
@@ -56,9 +58,10 @@ class Engine:
                  decode: Callable[[list[int]], str] | None = None,
                  prefill_tokens: int | None = None,
                  config: DFlashConfig | None = None, device: str = "auto",
-                 kernels: bool = False):
+                 kernels: bool = False, grammars: GrammarBook | None = None):
         """device: auto, cpu or cuda (model/device.py). kernels: on the CPU, run the DSpark
-        Triton kernels under Triton's interpreter instead of the numpy attention (tests)."""
+        Triton kernels under Triton's interpreter instead of the numpy attention (tests).
+        grammars: the bundle tokenizer for requests with a grammar (structured output)."""
         self.bundle = bundle
         self.config: DFlashConfig = config or bundle.config
         self.costs = CostModel()
@@ -84,6 +87,7 @@ class Engine:
         self.keep = self.planner.keep_drafting(self.drafting)
         self.eos_ids = frozenset(eos_ids)
         self.decode = decode
+        self.grammars = grammars
         self.ids = itertools.count()
         self.health = CacheHealth(self.arena, self.config.cache_health)
         self.watcher: ConfigWatcher | None = None
@@ -147,11 +151,29 @@ class Engine:
                 self.drafting.model.default = self.resources.draft
 
     def _propose(self, plan: RoundPlan) -> RoundPlan:
-        jobs = [s for s in plan if s.method != "plain"]
+        jobs = [self._force(s) if s.seq.constraint is not None else s
+                for s in plan if s.method != "plain"]
         used = self.drafting.propose([(s.seq, s.method, s.window, s.lookup) for s in jobs],
                                      self.keep)
-        sources = {s.seq.id: u for s, u in zip(jobs, used)}
-        return plan.with_slots(s.but(source=sources.get(s.seq.id, "plain")) for s in plan)
+        for s in jobs:  # a draft the grammar forbids ends the window
+            if s.seq.constraint is not None:
+                pending = self.drafting.state(s.seq).tokens
+                self.drafting.truncate(s.seq, s.seq.constraint.valid_prefix(pending))
+        slots = {s.seq.id: s.but(source=u) for s, u in zip(jobs, used)}
+        return plan.with_slots(slots.get(s.seq.id, s) for s in plan)
+
+    def _force(self, slot: Slot) -> Slot:
+        """Tokens the grammar forces become free drafts (verified like any other) when
+        nothing is pending; the lookup cap lets the verify take them all."""
+        seq = slot.seq
+        if len(self.drafting.state(seq)) or not slot.finishes_prompt:
+            return slot
+        left = seq.request.max_tokens - len(seq.generated) - 1
+        forced = seq.constraint.forced()[:max(0, left)]
+        if not forced:
+            return slot
+        self.drafting.force(seq, forced)
+        return slot.but(lookup=max(slot.lookup, len(forced)))
 
     def _verify(self, plan: RoundPlan) -> list[np.ndarray]:
         """One main forward: prompt chunks, uncached tokens and the verified drafts."""
@@ -179,6 +201,8 @@ class Engine:
         pending = self.drafting.state(seq)
         sources = tuple(pending.sources[:slot.verify])
         result = _accept(seq, pending, slot.verify, logits)
+        if seq.constraint is not None:
+            seq.constraint.commit(result.tokens)
         seq.stats.draft_top1, seq.stats.draft_entropy = pending.confidence[:], pending.entropy[:]
         seq.stats.record(result.drafted, result.accepted)
         if seq.request.speculative:
@@ -190,7 +214,13 @@ class Engine:
             self.balancer.observe_round(result.accepted > 0)
         self._commit(seq, slot, result, seconds)
         self.planner.observe(seq)
-        emit(seq, result.tokens, self.eos_ids, self.decode, self.scheduler.steps)
+        if seq.constraint is None:
+            emit(seq, result.tokens, self.eos_ids, self.decode, self.scheduler.steps)
+            return
+        emit(seq, result.tokens, self.eos_ids | seq.constraint.eos, self.decode,
+             self.scheduler.steps)
+        if not seq.done and seq.constraint.stopped:  # complete: nothing more is allowed
+            seq.finish_reason = "stop"
 
     def _commit(self, seq: Sequence, slot: Slot, result: Acceptance, seconds: float) -> None:
         """Keep in every cache exactly what verification accepted.
@@ -222,6 +252,11 @@ class Engine:
     def submit(self, request: GenerationRequest) -> Sequence:
         validate(request, self.limits)
         seq = Sequence(next(self.ids), request)
+        if request.grammar is not None:
+            if self.grammars is None:
+                raise RequestError("structured output needs the bundle's tokenizer (dsc "
+                                   "compile --tokenizer)", param="response_format")
+            seq.constraint = self.grammars.constraint(request.grammar)
         self.scheduler.submit(seq)
         return seq
 
@@ -263,9 +298,13 @@ class Engine:
 def _accept(seq: Sequence, pending: DraftState, k: int, logits: np.ndarray) -> Acceptance:
     """Greedy: exact match; sampling: rejection sampling against the drafts' proposals q."""
     params = seq.request.sampling
+    rows = logits if seq.constraint is None else seq.constraint.rows(logits,
+                                                                      pending.tokens[:k])
     if params.greedy:
-        return accept_greedy(pending.tokens[:k], logits)
-    p = LazyRows(lambda i: probabilities(logits[i], params))
+        if seq.constraint is None:
+            return accept_greedy(pending.tokens[:k], logits)
+        return accept_greedy_rows(pending.tokens[:k], rows)
+    p = LazyRows(lambda i: probabilities(rows[i], params))
     return accept_sampled(pending.tokens[:k], pending.q[:k], p, seq.rng)
 
 

@@ -8,6 +8,7 @@ from dspark.runtime.bundle.bundle import open_bundle
 from dspark.runtime.bundle.config import CONFIG_FILE
 from dspark.runtime.bundle.tokenizer import BundleTokenizer, load_tokenizer
 from dspark.runtime.engine.engine import Engine
+from dspark.runtime.grammar.constraint import GrammarBook
 from dspark.runtime.model.sessions import init_threads
 
 
@@ -21,9 +22,13 @@ def load_engine(model: Path, window: int | None = None, max_batch: int = 16,
     bundle = open_bundle(model, config_path=config)
     tokenizer = load_tokenizer(bundle.tokenizer_dir)
     policy = policy or ("fixed" if window else None)
+    grammars = GrammarBook(bundle.tokenizer_dir / "tokenizer.json",
+                           bundle.model("main").vocab_size,
+                           frozenset(tokenizer.eos_ids)) if tokenizer else None
     engine = Engine(bundle, policy, window, max_batch,
                     eos_ids=tuple(sorted(tokenizer.eos_ids)) if tokenizer else (),
-                    decode=tokenizer.decode if tokenizer else None, device=device)
+                    decode=tokenizer.decode if tokenizer else None, device=device,
+                    grammars=grammars)
     engine.watch_config(config or bundle.path(CONFIG_FILE))
     if warmup:
         engine.warmup()

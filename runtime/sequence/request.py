@@ -23,6 +23,7 @@ class GenerationRequest:
     tenant: str = "default"
     draft_model: str | None = None  # a draft role of the bundle; None: the current default
     method: str | None = None  # drafting method (hybrid, lookup, draft); None: the config's
+    grammar: str | None = None  # an llguidance grammar the output must follow (runtime/grammar)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -48,6 +49,7 @@ class Sequence:
         self.submitted = time.perf_counter()
         self.first_token_at: float | None = None
         self.first_token_step: int | None = None
+        self.constraint = None  # the grammar's state (runtime/grammar), with request.grammar
 
     @property
     def generated(self) -> list[int]:

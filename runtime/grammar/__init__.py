@@ -1,0 +1,1 @@
+"""Structured output: grammars (JSON schema, JSON mode) that constrain the main model."""
