@@ -95,11 +95,13 @@ class Constraint:
         return MaskedRows(self, logits, drafts)
 
     def commit(self, tokens: list[int]) -> None:
-        """After acceptance: forget the round's drafts, consume what was emitted."""
+        """After acceptance: forget the round's drafts, consume what was emitted (through
+        an end token: nothing after it is emitted)."""
         if self.consumed:
             self.matcher.rollback(self.consumed)
         self.consumed = 0
-        if not self.matcher.consume_tokens(tokens):
+        end = next((i for i, t in enumerate(tokens) if t in self.eos), len(tokens) - 1)
+        if not self.matcher.consume_tokens(tokens[:end + 1]):
             raise RuntimeError(f"grammar refused verified tokens {tokens}: "
                                f"{self.matcher.get_error()}")
 
@@ -117,6 +119,11 @@ class MaskedRows:
     def __getitem__(self, i: int) -> np.ndarray:
         if i not in self.rows:
             c = self.c
+            if any(d in c.eos for d in self.drafts[:i]):
+                # past an accepted end token nothing is emitted; the matcher never consumes
+                # an end token here (it would not count in its rollback history)
+                self.rows[i] = self.logits[i]
+                return self.rows[i]
             while c.consumed < i:  # acceptance reads in order: drafts 0..i-1 were accepted
                 c.matcher.consume_token(self.drafts[c.consumed])
                 c.consumed += 1
