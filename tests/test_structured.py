@@ -118,3 +118,150 @@ def test_json_mode_and_schema_errors_name_the_construct(json_bundle):
         with pytest.raises(RequestError) as e:
             response_format_grammar(bad)
         assert e.value.param == param
+
+
+def test_dsrun_generate_json_schema(json_bundle, tmp_path, capsys):
+    from cli_helpers import run_dsrun
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(BOUNDED[3]))
+    r = run_dsrun(capsys, "generate", "--model", json_bundle, "--prompt-ids", "5,6,7",
+                  "--max-tokens", "120", "--json-schema", schema, "--json")
+    assert r.code == 0, r.err
+    out = json.loads(r.out)
+    assert out["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(out["text"]), BOUNDED[3])
+    for text, words in (("{not json", "not a readable JSON file"),
+                        (json.dumps({"type": "object", "properties": {"a": {"type": "nope"}}}),
+                         "nope")):
+        schema.write_text(text)
+        r = run_dsrun(capsys, "generate", "--model", json_bundle, "--prompt-ids", "5",
+                      "--json-schema", schema)
+        assert r.code == 2 and words in r.err and str(schema) in r.err
+        assert len(r.err.strip().splitlines()) == 1
+
+
+def test_openai_structured_output_over_http(json_bundle):
+    """The official client: `parse` with a pydantic model, the same schema streamed, JSON
+    mode, and a schema the engine cannot compile (a 400 naming it)."""
+    import httpx
+    from pydantic import BaseModel, Field
+    from server_helpers import LiveServer, api_error
+
+    class Reading(BaseModel):
+        sensor: str = Field(max_length=6)
+        value: int = Field(ge=-50, le=50)
+        ok: bool
+
+    with LiveServer(json_bundle, warmup=False) as live:
+        client = live.client()
+        model = client.models.list().data[0].id
+        messages = [{"role": "user", "content": "a reading"}]
+        done = client.chat.completions.parse(model=model, messages=messages,
+                                             response_format=Reading, max_tokens=120,
+                                             temperature=0)
+        choice = done.choices[0]
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Reading)
+        schema = {"type": "json_schema", "json_schema": {
+            "name": "reading", "schema": Reading.model_json_schema() | {
+                "additionalProperties": False}, "strict": True}}
+        stream = client.chat.completions.create(model=model, messages=messages, stream=True,
+                                                response_format=schema, max_tokens=120,
+                                                temperature=0)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert Reading.model_validate_json(text) == choice.message.parsed
+        plain = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=120, temperature=0,
+            response_format=schema, extra_body={"speculative_decoding": False})
+        assert plain.choices[0].message.content == text  # speculation changes nothing
+        mode = client.chat.completions.create(model=model, messages=messages, max_tokens=40,
+                                              temperature=0,
+                                              response_format={"type": "json_object"})
+        assert mode.choices[0].message.content.startswith("{")
+        e = api_error(lambda: client.chat.completions.create(
+            model=model, messages=messages, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {
+                    "type": "object", "properties": {"a": {"type": "nope"}}}}}))
+        assert e.status_code == 400 and e.body["param"] == "response_format.json_schema.schema"
+        assert "nope" in e.body["message"]
+        r = httpx.post(f"{live.url}/v1/chat/completions", json={
+            "model": model, "messages": messages, "response_format": {"type": "yaml"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.type"
+        assert live.wait_idle()
+
+
+@pytest.mark.slow
+def test_first_free_constrained_token_follows_masked_main_distribution(json_bundle,
+                                                                        fixture_pairs):
+    """Sampled, with forced drafts and the draft model: the first token the grammar leaves
+    open is distributed as the main model's softmax masked by the grammar (chi-square over
+    3000 seeded sequences); unmasked p fails the same test."""
+    from scipy.stats import chisquare
+
+    from dspark.compiler.reference import OriginalModel
+    from dspark.runtime.bundle.config import DFlashConfig, VerifyBalanceConfig
+    from dspark.runtime.sequence.sampling import probabilities
+
+    bundle, tokenizer, book = _book(json_bundle)
+    schema = {"type": "object", "properties": {"v": {"enum": list("abcdefghijk")}},
+              "required": ["v"], "additionalProperties": False}
+    grammar = schema_grammar(schema, "schema")
+    probe = book.constraint(grammar)
+    forced = probe.forced()
+    probe.commit(forced)
+    allowed = probe.allowed()
+    assert forced and 3 <= allowed.sum() < 320  # a real choice, and a real constraint
+    params = SamplingParams(temperature=1.5)
+    prompt = (5, 6, 7)
+    main, _ = fixture_pairs[("llama", "classic")]
+    model = OriginalModel(main)
+    logits, _ = model.forward([*prompt, *forced], model.empty_past())
+    p = probabilities(np.where(allowed, logits[-1], -np.inf), params)
+    unmasked = probabilities(logits[-1], params)
+    engine = Engine(bundle, "fixed", 6, max_batch=512, eos_ids=tuple(tokenizer.eos_ids),
+                    grammars=book,
+                    config=DFlashConfig(verify_balance=VerifyBalanceConfig(batch_cap=False)))
+    seqs = engine.generate([GenerationRequest(prompt, len(forced) + 1,
+                                              SamplingParams(1.5, seed=i), grammar=grammar,
+                                              method="draft") for i in range(3000)])
+    assert all(s.generated[:len(forced)] == forced for s in seqs)
+    # the prefill round emits the first forced token; the rest are free drafts
+    assert sum(s.stats.sources["grammar"].drafted for s in seqs) >= 3000 * (len(forced) - 1)
+    tokens = np.array([s.generated[len(forced)] for s in seqs])
+    assert allowed[tokens].all()
+
+    def pvalue(dist):
+        expected = dist * len(tokens)
+        counts = np.bincount(tokens, minlength=len(dist)).astype(float)
+        big = expected >= 5
+        f_obs = np.append(counts[big], counts[~big].sum())
+        f_exp = np.append(expected[big], expected[~big].sum())
+        keep = f_exp > 0
+        return float(chisquare(f_obs[keep], f_exp[keep] * f_obs[keep].sum()
+                               / f_exp[keep].sum()).pvalue)
+
+    print(f"chi-square p-value, masked p: {pvalue(p):.3g}; unmasked: {pvalue(unmasked):.3g}")
+    assert pvalue(p) > 1e-3 and pvalue(unmasked) < 1e-6
+
+
+@pytest.mark.slow
+def test_smollm2_structured_output_is_valid_and_lossless(smollm2_bundle):
+    """The 22 strict JSON-schema cases of samples/schemas on the real SmolLM2 pair, batched:
+    speculation (the default hybrid) gives plain's tokens, and every output validates."""
+    from conftest import ROOT
+
+    from dspark.runtime.sequence.prompt import prompt_ids
+
+    bundle, tokenizer, book = _book(smollm2_bundle)
+    cases = [json.loads(line) for line in
+             (ROOT / "samples" / "schemas" / "structured_cases.jsonl").read_text().splitlines()]
+    assert len(cases) >= 20
+    requests = [GenerationRequest(tuple(prompt_ids(tokenizer, None, c["prompt"], None)), 160,
+                                  grammar=schema_grammar(c["schema"], "schema"),
+                                  speculative=spec) for spec in (False, True) for c in cases]
+    seqs = _run(bundle, tokenizer, book, requests)
+    for plain, spec, case in zip(seqs[:len(cases)], seqs[len(cases):], cases):
+        assert spec.generated == plain.generated
+        assert plain.finish_reason == "stop"
+        jsonschema.validate(json.loads(tokenizer.decode(plain.generated)), case["schema"])
+    assert sum(s.stats.accepted_tokens for s in seqs[len(cases):]) > 0

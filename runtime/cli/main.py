@@ -91,6 +91,16 @@ def _prompt_ids(tokenizer, prompt: str | None, prompt_ids: str | None, chat: str
     return encode_prompt(tokenizer, prompt, chat, ids)
 
 
+def _schema_grammar(path: Path) -> str:
+    from dspark.runtime.grammar.formats import schema_grammar
+
+    try:
+        schema = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise DSparkError(f"--json-schema {path}: not a readable JSON file ({e})") from None
+    return schema_grammar(schema, f"--json-schema {path}")
+
+
 def result_dict(seq: Sequence, tokenizer, elapsed: float) -> dict:
     text = tokenizer.decode(seq.generated) if tokenizer else None
     if text is not None and seq.text_end is not None:
@@ -121,22 +131,29 @@ def result_dict(seq: Sequence, tokenizer, elapsed: float) -> dict:
 @click.option("--config", "config_path", type=PathArg, help="dflash_config.json to use")
 @click.option("--tenant", default="default", show_default=True)
 @click.option("--no-speculative", is_flag=True, help="plain decoding with the main model")
+@click.option("--json-schema", "schema_path", type=PathArg,
+              help="a JSON schema file the output must follow (structured output)")
 @drafter_option
 @device_option
 @click.option("--json", "as_json", is_flag=True)
 def generate(model: Path, prompt, prompt_ids, chat, max_tokens: int, temperature: float,
              top_p: float, top_k: int, seed, stop, window, policy, config_path, tenant: str,
-             no_speculative: bool, drafter, device: str, as_json: bool) -> None:
+             no_speculative: bool, schema_path, drafter, device: str, as_json: bool) -> None:
     """Generate one completion from a bundle."""
     from dspark.runtime.engine.loader import load_engine
 
+    grammar = _schema_grammar(schema_path) if schema_path is not None else None
     engine, tokenizer = load_engine(model, window, policy=policy, config=config_path,
                                     device=device)
     ids = _prompt_ids(tokenizer, prompt, prompt_ids, chat)
+    if grammar is not None:
+        if engine.grammars is None:
+            raise DSparkError(f"--json-schema: the bundle {model} has no tokenizer")
+        engine.grammars.check(grammar, f"--json-schema {schema_path}")
     request = GenerationRequest(tuple(ids), max_tokens, SamplingParams(temperature, top_p, top_k,
                                                                        seed),
                                 tuple(stop), speculative=not no_speculative, tenant=tenant,
-                                method=drafter)
+                                method=drafter, grammar=grammar)
     t0 = time.perf_counter()
     [seq] = engine.generate([request])
     out = result_dict(seq, tokenizer, time.perf_counter() - t0)

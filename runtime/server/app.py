@@ -19,6 +19,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from dspark.runtime.bundle.tokenizer import BundleTokenizer
 from dspark.runtime.errors import ConflictError, RequestError
+from dspark.runtime.grammar.constraint import GrammarBook
+from dspark.runtime.grammar.formats import response_format_grammar
 from dspark.runtime.sequence.request import GenerationRequest, Sequence
 from dspark.runtime.sequence.sampling import SamplingParams
 from dspark.runtime.sequence.validate import draft_role, validate
@@ -50,6 +52,7 @@ class ServerState:
     api_key: str | None = None
     created: int = 0
     max_body_bytes: int = 8 * 2**20  # larger request bodies get a 413
+    grammars: GrammarBook | None = None  # structured output (None: no tokenizer)
 
 
 def create_app(state: ServerState, warmup: bool = True) -> FastAPI:
@@ -147,8 +150,29 @@ def _tokenizer(state: ServerState) -> BundleTokenizer:
     return state.tokenizer
 
 
+async def _grammar(state: ServerState, body: GenerationParams) -> str | None:
+    """response_format as a grammar, checked against the bundle's tokenizer (off the event
+    loop: a large schema takes a while); a 400 naming the construct it cannot compile."""
+    try:
+        grammar = response_format_grammar(body.response_format)
+        if grammar is None:
+            return None
+        if state.grammars is None:
+            raise RequestError("response_format needs a bundle with a tokenizer (dsc compile "
+                               "--tokenizer)", param="response_format")
+        await asyncio.to_thread(state.grammars.check, grammar, _schema_param(body))
+    except RequestError as e:
+        raise APIError(400, str(e), param=e.param, code=e.code) from None
+    return grammar
+
+
+def _schema_param(body: GenerationParams) -> str:
+    return ("response_format.json_schema.schema"
+            if body.response_format.get("type") == "json_schema" else "response_format")
+
+
 def _request(state: ServerState, body: GenerationParams, ids: list[int], tenant: str,
-             prompt_param: str) -> GenerationRequest:
+             prompt_param: str, grammar: str | None = None) -> GenerationRequest:
     """The request's shape here; its bounds in validate() (the one path the CLI uses too)."""
     if (name := body.unsupported()) is not None:
         raise APIError(400, f"{name} is not supported by this server", param=name,
@@ -167,7 +191,7 @@ def _request(state: ServerState, body: GenerationParams, ids: list[int], tenant:
         tuple(ids), body.limit() or max(1, limits.max_seq_len - len(ids)), sampling,
         body.stops(), speculative=body.speculative_decoding, max_window=spec.max_window,
         tenant=tenant, draft_model=draft_role(spec.draft_model, limits)
-        if spec.draft_model is not None else None, method=spec.method)
+        if spec.draft_model is not None else None, method=spec.method, grammar=grammar)
     try:
         validate(request, limits)
     except RequestError as e:
@@ -181,7 +205,8 @@ async def _generate(state: ServerState, body, ids: list[int], kind: str, request
     tenant = request.headers.get("x-tenant-id") or "default"
     endpoint = "chat" if kind == "chat" else "completions"
     try:
-        gen = _request(state, body, ids, tenant, prompt_param)
+        grammar = await _grammar(state, body)
+        gen = _request(state, body, ids, tenant, prompt_param, grammar)
         handle = state.service.submit(gen)
     except Exception:
         state.metrics.request(endpoint, "rejected")

@@ -3,7 +3,8 @@
 Unknown fields are refused (as OpenAI does), and so are known options DSpark does not
 implement (n > 1, logprobs, penalties, tools...), each naming the field: never silently
 ignored. Extensions: `speculative_decoding` (default true) and `speculative_config`
-(`method`: hybrid, lookup or draft; `draft_model`, `max_window`), `top_k`.
+(`method`: hybrid, lookup or draft; `draft_model`, `max_window`), `top_k`. Structured
+output: `response_format` json_object or json_schema (runtime/grammar).
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ NO_OP: dict[str, tuple] = {
     "best_of": (None, 1), "suffix": (None,), "presence_penalty": (None, 0.0),
     "frequency_penalty": (None, 0.0), "logit_bias": (None, {}), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
 
 

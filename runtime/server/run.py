@@ -28,7 +28,8 @@ def build_app(model: Path, api_key: str | None = None, max_batch: int = 16,
     service = EngineService(engine, max_queue, on_step=metrics.on_step,
                             on_cancel=metrics.forget)
     state = ServerState(service, tokenizer, served, metrics,
-                        api_key or read_env().api_key, int(time.time()), max_body_bytes)
+                        api_key or read_env().api_key, int(time.time()), max_body_bytes,
+                        engine.grammars)
     return create_app(state, warmup), state
 
 
