@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy.stats import chisquare
 
 import dspark.runtime.engine.engine as engine_mod
 from dspark.compiler.reference import OriginalModel
@@ -22,6 +21,8 @@ from dspark.runtime.engine.acceptance import Acceptance, accept_sampled
 from dspark.runtime.engine.engine import Engine
 from dspark.runtime.sequence.request import GenerationRequest
 from dspark.runtime.sequence.sampling import SamplingParams, probabilities, sample
+
+from chi_square import chi_square
 
 SAMPLES = 4000
 # speculate at any batch size (VLB would turn drafting off for 512 sequences at once)
@@ -41,17 +42,6 @@ def _second_tokens(bundle_path, prompt: tuple[int, ...], first: int,
     # token 2 came from a round verifying a proposal of that drafter
     assert all(s.stats.sources[method].drafted_at[0] >= 1 for s in seqs)
     return np.array([s.generated[1] for s in seqs])
-
-
-def _chi_square(tokens: np.ndarray, p: np.ndarray) -> float:
-    """p-value, pooling tokens expected fewer than 5 times into one bin."""
-    expected = p * len(tokens)
-    counts = np.bincount(tokens, minlength=len(p)).astype(float)
-    big = expected >= 5
-    f_obs = np.append(counts[big], counts[~big].sum())
-    f_exp = np.append(expected[big], expected[~big].sum())
-    keep = f_exp > 0
-    return float(chisquare(f_obs[keep], f_exp[keep]).pvalue)
 
 
 def _probs(path, tokens: list[int]) -> np.ndarray:
@@ -82,7 +72,7 @@ def test_speculated_token_follows_main_distribution(setup):
     bundle, prompt, first, p = setup
     tokens = _second_tokens(bundle, prompt, first)
     assert len(tokens) > 1000
-    pvalue = _chi_square(tokens, p)
+    pvalue = chi_square(tokens, p)
     print(f"chi-square p-value (correct rule, {len(tokens)} samples): {pvalue:.3g}")
     assert pvalue > 1e-3
 
@@ -100,7 +90,7 @@ def _broken(drafts, q, p, rng) -> Acceptance:
 def test_broken_rule_is_detected(setup, monkeypatch):
     bundle, prompt, first, p = setup
     monkeypatch.setattr(engine_mod, "accept_sampled", _broken)
-    pvalue = _chi_square(_second_tokens(bundle, prompt, first), p)
+    pvalue = chi_square(_second_tokens(bundle, prompt, first), p)
     print(f"chi-square p-value (broken rule): {pvalue:.3g}")
     assert pvalue < 1e-6
 
@@ -150,7 +140,7 @@ def test_lookup_proposal_follows_main_distribution(lookup_setup, position):
     p, proposal = lookup_setup
     rounds = _lookup_round(p, proposal, accept_sampled, 60000)
     tokens = np.array([r[position] for r in rounds if len(r) > position])
-    pvalue = _chi_square(tokens, p[position])
+    pvalue = chi_square(tokens, p[position])
     print(f"chi-square p-value (lookup, position {position}, {len(tokens)}): {pvalue:.3g}")
     assert len(tokens) > 1000 and pvalue > 1e-3
 
@@ -158,4 +148,4 @@ def test_lookup_proposal_follows_main_distribution(lookup_setup, position):
 def test_broken_rule_is_detected_with_lookup(lookup_setup):
     p, proposal = lookup_setup
     tokens = np.array([r[0] for r in _lookup_round(p, proposal, _broken, 20000)])
-    assert _chi_square(tokens, p[0]) < 1e-6
+    assert chi_square(tokens, p[0]) < 1e-6
