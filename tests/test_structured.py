@@ -49,9 +49,7 @@ BOUNDED = [
 def _book(bundle_path):
     bundle = open_bundle(bundle_path)
     tokenizer = load_tokenizer(bundle.tokenizer_dir)
-    return bundle, tokenizer, GrammarBook(bundle.tokenizer_dir / "tokenizer.json",
-                                          bundle.model("main").vocab_size,
-                                          frozenset(tokenizer.eos_ids))
+    return bundle, tokenizer, GrammarBook.of(bundle, tokenizer)
 
 
 def _run(bundle, tokenizer, book, requests, **engine_kwargs):

@@ -214,12 +214,10 @@ class Engine:
             self.balancer.observe_round(result.accepted > 0)
         self._commit(seq, slot, result, seconds)
         self.planner.observe(seq)
-        if seq.constraint is None:
-            emit(seq, result.tokens, self.eos_ids, self.decode, self.scheduler.steps)
-            return
-        emit(seq, result.tokens, self.eos_ids | seq.constraint.eos, self.decode,
-             self.scheduler.steps)
-        if not seq.done and seq.constraint.stopped:  # complete: nothing more is allowed
+        grammar = seq.constraint
+        emit(seq, result.tokens, self.eos_ids if grammar is None else self.eos_ids | grammar.eos,
+             self.decode, self.scheduler.steps)
+        if grammar is not None and not seq.done and grammar.stopped:  # nothing more allowed
             seq.finish_reason = "stop"
 
     def _commit(self, seq: Sequence, slot: Slot, result: Acceptance, seconds: float) -> None:
@@ -297,15 +295,17 @@ class Engine:
 
 def _accept(seq: Sequence, pending: DraftState, k: int, logits: np.ndarray) -> Acceptance:
     """Greedy: exact match; sampling: rejection sampling against the drafts' proposals q."""
-    params = seq.request.sampling
-    rows = logits if seq.constraint is None else seq.constraint.rows(logits,
-                                                                      pending.tokens[:k])
-    if params.greedy:
-        if seq.constraint is None:
-            return accept_greedy(pending.tokens[:k], logits)
-        return accept_greedy_rows(pending.tokens[:k], rows)
+    params, drafts = seq.request.sampling, pending.tokens[:k]
+    if seq.constraint is None:
+        if params.greedy:
+            return accept_greedy(drafts, logits)
+        rows = logits
+    else:  # each row masked by the grammar, on demand (runtime/grammar)
+        rows = seq.constraint.rows(logits, drafts)
+        if params.greedy:
+            return accept_greedy_rows(drafts, rows)
     p = LazyRows(lambda i: probabilities(rows[i], params))
-    return accept_sampled(pending.tokens[:k], pending.q[:k], p, seq.rng)
+    return accept_sampled(drafts, pending.q[:k], p, seq.rng)
 
 
 def _model_drafter(engine: Engine, bundle: Bundle) -> ModelDrafter | None:

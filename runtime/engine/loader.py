@@ -22,13 +22,10 @@ def load_engine(model: Path, window: int | None = None, max_batch: int = 16,
     bundle = open_bundle(model, config_path=config)
     tokenizer = load_tokenizer(bundle.tokenizer_dir)
     policy = policy or ("fixed" if window else None)
-    grammars = GrammarBook(bundle.tokenizer_dir / "tokenizer.json",
-                           bundle.model("main").vocab_size,
-                           frozenset(tokenizer.eos_ids)) if tokenizer else None
     engine = Engine(bundle, policy, window, max_batch,
                     eos_ids=tuple(sorted(tokenizer.eos_ids)) if tokenizer else (),
                     decode=tokenizer.decode if tokenizer else None, device=device,
-                    grammars=grammars)
+                    grammars=GrammarBook.of(bundle, tokenizer))
     engine.watch_config(config or bundle.path(CONFIG_FILE))
     if warmup:
         engine.warmup()

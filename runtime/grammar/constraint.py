@@ -31,6 +31,14 @@ class GrammarBook:
         self.eos_ids = eos_ids
         self._tokenizer = None
 
+    @classmethod
+    def of(cls, bundle, tokenizer) -> GrammarBook | None:
+        """The bundle's (None without a tokenizer: no structured output)."""
+        if tokenizer is None:
+            return None
+        return cls(bundle.tokenizer_dir / "tokenizer.json", bundle.model("main").vocab_size,
+                   frozenset(tokenizer.eos_ids))
+
     @property
     def tokenizer(self):
         if self._tokenizer is None:
