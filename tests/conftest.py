@@ -145,5 +145,5 @@ def json_bundle(fixture_pairs, tmp_path_factory) -> Path:
         "chat_template": CHAT_TEMPLATE, "eos_token": "<eos>"}))
     main, draft = fixture_pairs[("llama", "classic")]
     return compiled_bundle(CompileOptions(main, draft, root / "json.dsmodel",
-                                          tokenizer=root / "tok", max_seq_len=256,
+                                          tokenizer=root / "tok", max_seq_len=1024,
                                           kv_budget_mb=TEST_KV_MB))

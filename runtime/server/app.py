@@ -24,7 +24,7 @@ from dspark.runtime.grammar.formats import response_format_grammar
 from dspark.runtime.sequence.request import GenerationRequest, Sequence
 from dspark.runtime.sequence.sampling import SamplingParams
 from dspark.runtime.sequence.validate import draft_role, validate
-from dspark.runtime.server import errors
+from dspark.runtime.server import errors, tool_calls
 from dspark.runtime.server.auth import BearerAuth
 from dspark.runtime.server.body_limit import BodyLimit
 from dspark.runtime.server.errors import APIError
@@ -88,10 +88,10 @@ def create_app(state: ServerState, warmup: bool = True) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         tok = _tokenizer(state)
-        messages = [{"role": m.role, "content": _text(m.text(), f"messages[{i}].content")}
-                    for i, m in enumerate(body.messages)]
+        messages = tool_calls.chat_messages(body, _text)
         ids = await asyncio.to_thread(tok.encode_chat, messages)
-        return await _generate(state, body, ids, "chat", request, "messages")
+        return await _generate(state, body, ids, "chat", request, "messages",
+                               tool_calls.active_tools(body))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -155,20 +155,26 @@ async def _grammar(state: ServerState, body: GenerationParams) -> str | None:
     loop: a large schema takes a while); a 400 naming the construct it cannot compile."""
     try:
         grammar = response_format_grammar(body.response_format)
+        param = _schema_param(body)
+        if (tools := tool_calls.grammar(body)) is not None:
+            if grammar is not None:
+                raise RequestError("response_format and tools cannot be combined in one "
+                                   "request", param="response_format")
+            grammar, param = tools, "tools"
         if grammar is None:
             return None
         if state.grammars is None:
-            raise RequestError("response_format needs a bundle with a tokenizer (dsc compile "
-                               "--tokenizer)", param="response_format")
-        await asyncio.to_thread(state.grammars.check, grammar, _schema_param(body))
+            raise RequestError(f"{param} needs a bundle with a tokenizer (dsc compile "
+                               "--tokenizer)", param=param)
+        await asyncio.to_thread(state.grammars.check, grammar, param)
     except RequestError as e:
         raise APIError(400, str(e), param=e.param, code=e.code) from None
     return grammar
 
 
 def _schema_param(body: GenerationParams) -> str:
-    return ("response_format.json_schema.schema"
-            if body.response_format.get("type") == "json_schema" else "response_format")
+    return ("response_format.json_schema.schema" if body.response_format
+            and body.response_format.get("type") == "json_schema" else "response_format")
 
 
 def _request(state: ServerState, body: GenerationParams, ids: list[int], tenant: str,
@@ -201,7 +207,7 @@ def _request(state: ServerState, body: GenerationParams, ids: list[int], tenant:
 
 
 async def _generate(state: ServerState, body, ids: list[int], kind: str, request: Request,
-                    prompt_param: str):
+                    prompt_param: str, tools: list[dict] | None = None):
     tenant = request.headers.get("x-tenant-id") or "default"
     endpoint = "chat" if kind == "chat" else "completions"
     try:
@@ -216,7 +222,8 @@ async def _generate(state: ServerState, body, ids: list[int], kind: str, request
     decode = state.tokenizer.decode if state.tokenizer else (lambda t: "")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(state, handle, meta, kind, decode, include_usage, endpoint),
+        return StreamingResponse(_sse(state, handle, meta, kind, decode, include_usage, endpoint,
+                                      tool_calls.CallStream(tools)),
                                  media_type="text/event-stream")
     seq = await _wait(state, handle, request)
     if seq is None:
@@ -224,9 +231,12 @@ async def _generate(state: ServerState, body, ids: list[int], kind: str, request
         return Response(status_code=499)
     state.metrics.request(endpoint, "ok")
     text = TextStream(decode, ()).delta(seq.generated, True, seq.text_end)
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text},
-               "finish_reason": seq.finish_reason, "logprobs": None} if kind == "chat" else
-              {"index": 0, "text": text, "finish_reason": seq.finish_reason, "logprobs": None})
+    if kind == "chat":
+        message, finish = tool_calls.answer(text, seq.finish_reason, tools)
+        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": seq.finish_reason,
+                  "logprobs": None}
     return {**meta, "object": "chat.completion" if kind == "chat" else "text_completion",
             "choices": [choice], "usage": _usage(seq),
             "speculative_decoding_stats": seq.stats.summary()}
@@ -248,16 +258,18 @@ async def _wait(state: ServerState, handle: Handle, request: Request) -> Sequenc
 
 
 async def _sse(state: ServerState, handle: Handle, meta: dict, kind: str, decode,
-               include_usage: bool, endpoint: str):
+               include_usage: bool, endpoint: str, calls: tool_calls.CallStream):
     stream = TextStream(decode, handle.request.stop)
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     usage_field = {"usage": None} if include_usage else {}
 
     def chunk(text: str | None, finish: str | None = None, role: bool = False,
-              extra: dict | None = None) -> str:
+              extra: dict | None = None, call: dict | None = None) -> str:
         if kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else (
                 {"content": text} if text else {})
+            if call is not None:
+                delta = {"tool_calls": [{"index": 0, **call}]}
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
@@ -276,12 +288,18 @@ async def _sse(state: ServerState, handle: Handle, meta: dict, kind: str, decode
                 return
             _, count, finish = event
             seq = handle.seq
-            text = stream.delta(seq.generated[:count], finish is not None,
-                                seq.text_end if finish else None)
+            text = calls.text(stream.delta(seq.generated[:count], finish is not None,
+                                           seq.text_end if finish else None))
             if text:
                 yield chunk(text)
             if finish is not None:
                 done = True
+                call, rest = calls.finish()
+                if rest:
+                    yield chunk(rest)
+                if call is not None:
+                    yield chunk(None, call=call)
+                    finish = "tool_calls"
                 yield chunk(None, finish,
                             extra={"speculative_decoding_stats": seq.stats.summary()})
                 if include_usage:

@@ -1,10 +1,11 @@
 """OpenAI request shapes (pydantic) and what DSpark does with them.
 
 Unknown fields are refused (as OpenAI does), and so are known options DSpark does not
-implement (n > 1, logprobs, penalties, tools...), each naming the field: never silently
-ignored. Extensions: `speculative_decoding` (default true) and `speculative_config`
+implement (n > 1, logprobs, penalties, tools on completions...), each naming the field: never
+silently ignored. Extensions: `speculative_decoding` (default true) and `speculative_config`
 (`method`: hybrid, lookup or draft; `draft_model`, `max_window`), `top_k`. Structured
-output: `response_format` json_object or json_schema (runtime/grammar).
+output: `response_format` json_object or json_schema; `tools` + `tool_choice` on chat
+(runtime/grammar, server/tool_calls.py).
 """
 
 from __future__ import annotations
@@ -32,13 +33,55 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
@@ -51,6 +94,7 @@ NO_OP: dict[str, tuple] = {
     "frequency_penalty": (None, 0.0), "logit_bias": (None, {}), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
 }
+CHAT_ONLY = ("tools", "tool_choice")  # implemented for chat completions
 
 
 class GenerationParams(BaseModel):
@@ -99,6 +143,12 @@ class GenerationParams(BaseModel):
 class ChatCompletionRequest(GenerationParams):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    def unsupported(self) -> str | None:
+        return next((k for k, ok in NO_OP.items()
+                     if k not in CHAT_ONLY and getattr(self, k, None) not in ok), None)
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

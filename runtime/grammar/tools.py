@@ -1,0 +1,100 @@
+"""Tool calling: OpenAI `tools` + `tool_choice` -> a prompt section and a grammar, and the
+generated text back to `tool_calls`.
+
+A call is one JSON object `{"name": ..., "arguments": {...}}`, its arguments following the
+function's `parameters` schema (compact JSON, runtime/grammar/formats.py):
+
+    tool_choice "none"         no grammar: the model answers in text
+    "auto" (the default)       text, or a call: a grammar whose text branch may not start
+                               with "{" (so an answer starting with "{" is a call)
+    "required"                 a call of any of the tools
+    {"type": "function", "function": {"name": N}}   a call of N
+
+Calls are forced into their grammar, so their keys and the function names are free drafts
+for speculation like any forced token.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from dspark.runtime.errors import RequestError
+from dspark.runtime.grammar.formats import JSON_OPTIONS, schema_grammar
+
+NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def call_schema(function: dict) -> dict:
+    return {"type": "object", "properties": {
+        "name": {"const": function["name"]},
+        "arguments": function.get("parameters") or NO_PARAMETERS},
+        "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def tool_grammar(tools: list[dict], choice) -> str | None:
+    """tools: OpenAI function tools (already shape-checked); choice: tool_choice."""
+    choice = "auto" if choice is None else choice
+    if not tools or choice == "none":
+        return None
+    functions = [t["function"] for t in tools]
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        named = [f for f in functions if f["name"] == name]
+        if not named:
+            raise RequestError(f"tool_choice names the function {name!r}, which is not in "
+                               f"tools ({', '.join(f['name'] for f in functions)})",
+                               param="tool_choice.function.name")
+        functions = named
+    schemas = [call_schema(f) for f in functions]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    if choice != "auto":
+        return schema_grammar(schema, "tools")
+    from llguidance import LLMatcher
+
+    embedded = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+    return LLMatcher.grammar_from_lark(
+        "start: call | text\ntext: /[^{](.|\\n)*/\ncall: %json " + embedded)
+
+
+def tools_prompt(tools: list[dict]) -> str:
+    """What the system message says about the tools (for templates without a tools slot)."""
+    listing = json.dumps([{k: v for k, v in t["function"].items() if v is not None}
+                          for t in tools], ensure_ascii=False)
+    return ("You can call functions. To call one, reply with only a JSON object "
+            '{"name": <function name>, "arguments": <arguments object>}. Functions: '
+            + listing)
+
+
+def with_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """The tools described in the (first) system message."""
+    text = tools_prompt(tools)
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text},
+                *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def call_text(call: dict) -> str:
+    """An assistant's earlier tool call, written as the model writes one."""
+    function = call["function"]
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        arguments = function["arguments"]
+    return json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)
+
+
+def parse_call(text: str, tools: list[dict]) -> dict | None:
+    """The OpenAI tool_call in a generated text, or None (an answer in text)."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    names = {t["function"]["name"] for t in tools}
+    if not isinstance(obj, dict) or obj.get("name") not in names or not isinstance(
+            obj.get("arguments"), dict):
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": obj["name"],
+                         "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}}

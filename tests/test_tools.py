@@ -1,0 +1,124 @@
+"""Tool calling: tools + tool_choice through a grammar, the answer as OpenAI tool_calls,
+lossless with speculation, and a round trip with the official openai client."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from dspark.runtime.bundle.bundle import open_bundle
+from dspark.runtime.bundle.tokenizer import load_tokenizer
+from dspark.runtime.engine.engine import Engine
+from dspark.runtime.errors import RequestError
+from dspark.runtime.grammar.constraint import GrammarBook
+from dspark.runtime.grammar.tools import call_schema, parse_call, tool_grammar
+from dspark.runtime.sequence.request import GenerationRequest
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"],
+        "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"enum": ["utc", "cet"]}}, "required": ["zone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+
+
+def test_choices_and_calls():
+    assert tool_grammar(TOOLS, "none") is None and tool_grammar([], "auto") is None
+    assert all(isinstance(tool_grammar(TOOLS, c), str) for c in ("auto", "required", None))
+    with pytest.raises(RequestError) as e:
+        tool_grammar(TOOLS, {"type": "function", "function": {"name": "nope"}})
+    assert e.value.param == "tool_choice.function.name" and "get_time" in str(e.value)
+    call = parse_call('{"name": "get_time", "arguments": {"zone": "utc"}}', TOOLS)
+    assert call["function"] == {"name": "get_time", "arguments": '{"zone": "utc"}'}
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    assert parse_call("it is sunny", TOOLS) is None
+    assert parse_call('{"name": "other", "arguments": {}}', TOOLS) is None
+    assert call_schema({"name": "f"})["properties"]["arguments"]["type"] == "object"
+
+
+@pytest.mark.parametrize("choice", ["required", "auto",
+                                    {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "auto", "named"])
+def test_tool_grammar_is_lossless_and_calls_are_valid(json_bundle, choice):
+    bundle = open_bundle(json_bundle)
+    tokenizer = load_tokenizer(bundle.tokenizer_dir)
+    grammar = tool_grammar(TOOLS, choice)
+    prompts = [(5, 6, 7), (9, 8), (40, 41, 42, 43), (100,)]
+    requests = [GenerationRequest(p, 80, grammar=grammar, speculative=spec, method="hybrid")
+                for spec in (False, True) for p in prompts]
+    engine = Engine(bundle, "fixed", 4, eos_ids=tuple(tokenizer.eos_ids), max_batch=8,
+                    grammars=GrammarBook.of(bundle, tokenizer))
+    seqs = engine.generate(requests)
+    for plain, spec in zip(seqs[:4], seqs[4:]):
+        assert spec.generated == plain.generated
+    calls = 0
+    for seq in seqs:
+        text = tokenizer.decode(seq.generated)
+        call = parse_call(text, TOOLS)
+        if choice == "auto" and call is None:
+            assert not text.lstrip().startswith("{")  # an answer in text
+            continue
+        assert call is not None and seq.finish_reason == "stop", text
+        function = next(t["function"] for t in TOOLS if t["function"]["name"] ==
+                        call["function"]["name"])
+        jsonschema.validate(json.loads(call["function"]["arguments"]), function["parameters"])
+        calls += 1
+        if isinstance(choice, dict):
+            assert call["function"]["name"] == "get_weather"
+    if choice != "auto":  # (a random model answers "auto" in text: only the grammar calls)
+        assert calls == len(seqs)
+
+
+def test_tool_calling_round_trip_with_the_openai_client(json_bundle):
+    from server_helpers import LiveServer, api_error
+
+    with LiveServer(json_bundle, warmup=False) as live:
+        client = live.client()
+        model = client.models.list().data[0].id
+        messages = [{"role": "user", "content": "weather in Oslo?"}]
+        done = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
+                                              tool_choice="required", max_tokens=80,
+                                              temperature=0)
+        choice = done.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [call] = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        json.loads(call.function.arguments)
+        # the same request streamed: the call arrives in the chunk shape, whole
+        stream = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
+                                                tool_choice="required", max_tokens=80,
+                                                temperature=0, stream=True)
+        chunks = [c for c in stream if c.choices]
+        deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+        assert [d.function.name for d in deltas] == [call.function.name]
+        assert deltas[0].function.arguments == call.function.arguments
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        # the round trip: the call and its result go back, the model answers
+        follow = client.chat.completions.create(model=model, max_tokens=8, temperature=0,
+                                                tools=TOOLS, tool_choice="none", messages=[
+            *messages, {"role": "assistant", "content": None, "tool_calls": [
+                call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 3}'}])
+        assert follow.choices[0].message.tool_calls is None
+        assert follow.choices[0].finish_reason == "length"
+        named = client.chat.completions.create(
+            model=model, messages=messages, tools=TOOLS, max_tokens=80, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_time"}})
+        assert named.choices[0].message.tool_calls[0].function.name == "get_time"
+        e = api_error(lambda: client.chat.completions.create(
+            model=model, messages=messages, tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "nope"}}))
+        assert e.status_code == 400 and e.body["param"] == "tool_choice.function.name"
+        e = api_error(lambda: client.chat.completions.create(
+            model=model, messages=messages, tools=TOOLS, response_format={"type": "json_object"}))
+        assert e.status_code == 400 and e.body["param"] == "response_format"
+        e = api_error(lambda: client.completions.create(model=model, prompt="x",
+                                                       extra_body={"tools": TOOLS}))
+        assert e.status_code == 400 and e.body["param"] == "tools"
+        assert live.wait_idle()
