@@ -131,9 +131,9 @@ def kernel_device() -> torch.device:
 
 
 @pytest.fixture(scope="session")
-def json_bundle(fixture_pairs, tmp_path_factory) -> Path:
-    """The llama fixture with a byte-level BPE tokenizer (fits its 320 ids) that can spell
-    any JSON, an EOS token and a chat template: structured output on a random model."""
+def json_bundles(fixture_pairs, tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """Every fixture pair with a byte-level BPE tokenizer (fits their 320 ids) that can spell
+    any JSON, an EOS token and a chat template: structured output on random models."""
     import json
 
     from model_fixtures import json_tokenizer
@@ -143,7 +143,14 @@ def json_bundle(fixture_pairs, tmp_path_factory) -> Path:
     json_tokenizer().save(str(root / "tok" / "tokenizer.json"))
     (root / "tok" / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": CHAT_TEMPLATE, "eos_token": "<eos>"}))
-    main, draft = fixture_pairs[("llama", "classic")]
-    return compiled_bundle(CompileOptions(main, draft, root / "json.dsmodel",
-                                          tokenizer=root / "tok", max_seq_len=1024,
-                                          kv_budget_mb=TEST_KV_MB))
+    # gpt2's learned positions stop at 512
+    return {(arch, form): compiled_bundle(CompileOptions(
+        main, draft, root / f"json-{arch}-{form}.dsmodel", tokenizer=root / "tok",
+        max_seq_len=1024 if arch == "llama" else 512, kv_budget_mb=TEST_KV_MB))
+        for (arch, form), (main, draft) in fixture_pairs.items()}
+
+
+@pytest.fixture(scope="session")
+def json_bundle(json_bundles) -> Path:
+    """The llama (classic export) one of them."""
+    return json_bundles[("llama", "classic")]

@@ -23,6 +23,7 @@ from dspark.runtime.grammar.formats import response_format_grammar, schema_gramm
 from dspark.runtime.sequence.request import GenerationRequest
 from dspark.runtime.sequence.sampling import SamplingParams
 
+PAIRS = [("llama", "classic"), ("llama", "dynamo"), ("gpt2", "classic"), ("gpt2", "dynamo")]
 # bounded schemas: a random model stops only where the grammar makes it
 BOUNDED = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -60,22 +61,25 @@ def _run(bundle, tokenizer, book, requests, **engine_kwargs):
     return seqs
 
 
-@pytest.mark.parametrize("method", ["draft", "lookup", "hybrid"])
-def test_constrained_speculation_equals_constrained_plain(json_bundle, method):
-    bundle, tokenizer, book = _book(json_bundle)
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: "-".join(p))
+def test_constrained_speculation_equals_constrained_plain(json_bundles, pair):
+    """Every fixture pair (both export forms), each drafting method, batched."""
+    bundle, tokenizer, book = _book(json_bundles[pair])
     rng = np.random.default_rng(3)
-    prompts = [tuple(int(t) for t in rng.integers(1, 320, n)) for n in (3, 9, 17, 30)]
+    prompts = [tuple(int(t) for t in rng.integers(1, 320, n)) for n in (3, 17)]
     grammars = [schema_grammar(s, "schema") for s in BOUNDED]
-    requests = [GenerationRequest(p, 120, grammar=g, speculative=spec, method=method)
-                for spec in (False, True) for p in prompts for g in grammars]
+    cases = [(p, g, s) for p in prompts for g, s in zip(grammars, BOUNDED)]
+    requests = [GenerationRequest(p, 120, grammar=g, speculative=method != "plain",
+                                  method=None if method == "plain" else method)
+                for method in ("plain", "draft", "lookup", "hybrid") for p, g, _ in cases]
     seqs = _run(bundle, tokenizer, book, requests, policy="fixed", window=4)
-    half = len(seqs) // 2
-    for plain, spec in zip(seqs[:half], seqs[half:]):
-        assert spec.generated == plain.generated
-        assert plain.finish_reason == spec.finish_reason == "stop"
-    for seq, schema in zip(seqs, [s for _ in (0, 1) for _ in prompts for s in BOUNDED]):
-        jsonschema.validate(json.loads(tokenizer.decode(seq.generated)), schema)
-    spec = seqs[half:]
+    plain = seqs[:len(cases)]
+    for i, seq in enumerate(seqs):
+        assert seq.generated == plain[i % len(cases)].generated
+        assert seq.finish_reason == "stop"
+        jsonschema.validate(json.loads(tokenizer.decode(seq.generated)),
+                            cases[i % len(cases)][2])
+    spec = seqs[len(cases):]
     forced = sum(s.stats.sources["grammar"].drafted for s in spec if "grammar" in
                  s.stats.sources)
     assert forced > 0  # keys and punctuation were proposed without any draft forward
