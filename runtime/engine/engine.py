@@ -135,7 +135,10 @@ class Engine:
             logits = self._verify(plan)
             seconds = time.perf_counter() - t0
             for slot, rows in zip(plan, logits):
-                self._advance(slot, rows, seconds)
+                try:
+                    self._advance(slot, rows, seconds)
+                except Exception as e:  # noqa: BLE001 - one sequence's fault ends it alone
+                    slot.seq.finish_reason, slot.seq.error = "error", e
             self._retire(plan)
         return plan.seqs
 

@@ -47,8 +47,12 @@ class GrammarBook:
             # a bundle without EOS still needs one for the grammar's end: a model id past
             # the tokenizer's vocabulary (the engine stops on it, see Constraint.eos)
             eos = sorted(self.eos_ids) or [self.vocab_size - 1]
-            self._tokenizer = LLTokenizer(self.path.read_text(), n_vocab=self.vocab_size,
-                                          eos_token=eos)
+            try:
+                self._tokenizer = LLTokenizer(self.path.read_text(), n_vocab=self.vocab_size,
+                                              eos_token=eos)
+            except ValueError as e:
+                raise RequestError(f"structured output: this bundle's tokenizer cannot drive "
+                                   f"a grammar ({e})", param="response_format") from None
         return self._tokenizer
 
     def check(self, grammar: str, param: str) -> None:
@@ -95,8 +99,12 @@ class Constraint:
         """The next position's mask, one bool per model token."""
         self.matcher.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
         self.masks += 1
-        return np.unpackbits(self.bits.view(np.uint8), bitorder="little")[
+        allowed = np.unpackbits(self.bits.view(np.uint8), bitorder="little")[
             :self.vocab_size].astype(bool)
+        if not allowed.any():  # the grammar needs text this tokenizer cannot spell
+            raise RequestError("the requested format allows no token of this model's "
+                               "vocabulary here", param="response_format")
+        return allowed
 
     def rows(self, logits: np.ndarray, drafts: list[int]) -> MaskedRows:
         self.consumed = 0

@@ -46,6 +46,7 @@ class Sequence:
         self.stats = SeqStats()
         self.finish_reason: str | None = None
         self.text_end: int | None = None  # set when a stop string cut the text
+        self.error: Exception | None = None  # what ended it, with finish_reason "error"
         self.submitted = time.perf_counter()
         self.first_token_at: float | None = None
         self.first_token_step: int | None = None

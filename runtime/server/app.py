@@ -252,7 +252,7 @@ async def _wait(state: ServerState, handle: Handle, request: Request) -> Sequenc
                 return None
             continue
         if event[0] == "error":
-            raise event[1]
+            raise errors.server_error(event[1])
         if event[2] is not None:
             return handle.seq
 
@@ -283,7 +283,11 @@ async def _sse(state: ServerState, handle: Handle, meta: dict, kind: str, decode
         while not done:
             event = await handle.events.get()
             if event[0] == "error":
-                yield f"data: {json.dumps(errors.error_body(str(event[1]), 'server_error'))}\n\n"
+                e = errors.server_error(event[1])
+                body = errors.error_body(e.message, e.kind, e.param, e.code)
+                yield f"data: {json.dumps(body)}\n\n"
+                yield "data: [DONE]\n\n"
+                done = True
                 state.metrics.request(endpoint, "error")
                 return
             _, count, finish = event

@@ -3,12 +3,17 @@ for every bad input, never a 500 for a user's mistake."""
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark.runtime.errors import ConflictError, DSparkError, QueueFullError, RequestError
+
+log = logging.getLogger("dspark.server")
 
 
 class APIError(Exception):
@@ -49,6 +54,17 @@ def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return APIError(exc.status_code, str(exc.detail), kind=kind).response()
 
 
+def server_error(error: Exception) -> APIError:
+    """A request's failure as the client sees it: a RequestError is its fault (400); anything
+    else a 500 carrying an id that the server's log line repeats."""
+    if isinstance(error, RequestError):
+        return APIError(400, str(error), param=error.param, code=error.code)
+    ref = f"err-{uuid.uuid4().hex[:12]}"
+    log.error("%s: %s", ref, error, exc_info=error)
+    return APIError(500, f"internal error ({ref}); the server keeps serving",
+                    kind="server_error", code="internal_error")
+
+
 def install(app) -> None:
     app.add_exception_handler(APIError, lambda _, e: e.response())
     app.add_exception_handler(RequestValidationError, _validation)
@@ -61,3 +77,4 @@ def install(app) -> None:
     app.add_exception_handler(RequestError, lambda _, e: APIError(
         400, str(e), param=e.param, code=e.code).response())
     app.add_exception_handler(DSparkError, lambda _, e: APIError(400, str(e)).response())
+    app.add_exception_handler(Exception, lambda _, e: server_error(e).response())

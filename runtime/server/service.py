@@ -153,7 +153,10 @@ class EngineService:
             handle = self.handles.get(seq.id)
             if handle is None:
                 continue
-            if len(seq.generated) > handle.sent or seq.done:
+            if seq.error is not None:
+                log.error("request %d failed", seq.id, exc_info=seq.error)
+                handle.post(("error", seq.error))
+            elif len(seq.generated) > handle.sent or seq.done:
                 handle.sent = len(seq.generated)
                 handle.post(("tokens", handle.sent, seq.finish_reason))
             if seq.done:
