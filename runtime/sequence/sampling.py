@@ -35,7 +35,9 @@ class SamplingParams:
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """[..., vocab] logits -> processed, normalised probabilities (float64)."""
-    x = logits.astype(np.float64) / params.temperature
+    x = logits.astype(np.float64)
+    # shifted first: a tiny temperature then sends the rest to -inf, never inf - inf = nan
+    x = (x - x.max(axis=-1, keepdims=True)) / params.temperature
     if params.top_k and params.top_k < x.shape[-1]:
         kth = np.partition(x, -params.top_k, axis=-1)[..., -params.top_k, None]
         x = np.where(x < kth, -np.inf, x)
