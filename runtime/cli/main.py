@@ -40,6 +40,9 @@ def serve_options(fn):
         click.option("--max-body-mb", type=click.FloatRange(min=0.001), default=8.0,
                      show_default=True, help="larger request bodies get a 413"),
         click.option("--no-warmup", is_flag=True, help="skip the warm-up at start"),
+        click.option("--drain-timeout", "drain_s", type=click.FloatRange(min=0), default=30.0,
+                     show_default=True, help="on SIGTERM, seconds the requests in flight may "
+                     "take to finish (new ones get 503)"),
         click.option("--config", "config_path", type=PathArg, help="dflash_config.json to use"),
         click.option("--policy", help="window policy (default: the config's)"),
         click.option("--served-model-name", "name", help="model id in the API (default: "
@@ -52,13 +55,13 @@ def serve_options(fn):
 
 
 def _serve(model: Path, host, port, api_key, max_batch, max_queue, max_body_mb, no_warmup,
-           config_path, policy, name, device) -> None:
+           drain_s, config_path, policy, name, device) -> None:
     from dspark.runtime.server.run import serve
 
     click.echo(f"[dsrun] serving {model} on http://{host}:{port}/v1", err=True)
     serve(model, host, port, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
           max_body_bytes=int(max_body_mb * 2**20), warmup=not no_warmup, config=config_path,
-          policy=policy, name=name, device=device)
+          policy=policy, name=name, device=device, drain_s=drain_s)
 
 
 @click.group(invoke_without_command=True,

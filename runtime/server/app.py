@@ -53,6 +53,7 @@ class ServerState:
     created: int = 0
     max_body_bytes: int = 8 * 2**20  # larger request bodies get a 413
     grammars: GrammarBook | None = None  # structured output (None: no tokenizer)
+    draining: bool = False  # shutting down: new generation requests get a 503
 
 
 def create_app(state: ServerState, warmup: bool = True) -> FastAPI:
@@ -69,6 +70,8 @@ def create_app(state: ServerState, warmup: bool = True) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         if not state.service.ready.is_set():
             return JSONResponse({"status": "warming_up"}, status_code=503)
         return {"status": "ok", "model": state.model_id}
@@ -210,6 +213,11 @@ async def _generate(state: ServerState, body, ids: list[int], kind: str, request
                     prompt_param: str, tools: list[dict] | None = None):
     tenant = request.headers.get("x-tenant-id") or "default"
     endpoint = "chat" if kind == "chat" else "completions"
+    if state.draining:
+        state.metrics.request(endpoint, "rejected")
+        raise APIError(503, "the server is shutting down (draining the requests in flight); "
+                       "retry on another replica", kind="service_unavailable_error",
+                       code="shutting_down", headers={"Retry-After": "1"})
     try:
         grammar = await _grammar(state, body)
         gen = _request(state, body, ids, tenant, prompt_param, grammar)

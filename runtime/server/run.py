@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -33,8 +34,35 @@ def build_app(model: Path, api_key: str | None = None, max_batch: int = 16,
     return create_app(state, warmup), state
 
 
-def serve(model: Path, host: str, port: int, **kwargs) -> None:
+def serve(model: Path, host: str, port: int, drain_s: float = 30.0, **kwargs) -> None:
     import uvicorn
 
-    app, _ = build_app(model, **kwargs)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    app, state = build_app(model, **kwargs)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=max(1, int(drain_s)))
+    draining_server(uvicorn.Server, state, drain_s)(config).run()
+
+
+def draining_server(base, state: ServerState, drain_s: float):
+    """uvicorn's Server with a graceful drain: the first SIGTERM/SIGINT turns new generation
+    requests into 503s (and /health into 503 "draining", so balancers stop routing), lets
+    the requests in flight finish for up to `drain_s` seconds, then shuts down as uvicorn
+    does; a second signal skips the wait."""
+
+    class DrainingServer(base):
+        def handle_exit(self, sig, frame) -> None:
+            if state.draining:
+                return super().handle_exit(sig, frame)
+            state.draining = True
+            threading.Thread(target=self._drain, args=(sig, frame), name="dspark-drain",
+                             daemon=True).start()
+
+        def _drain(self, sig, frame) -> None:
+            service, deadline = state.service, time.monotonic() + drain_s
+            while time.monotonic() < deadline and (service.commands.qsize() or
+                                                    service.snapshot.waiting or
+                                                    service.snapshot.running):
+                time.sleep(0.05)
+            super().handle_exit(sig, frame)
+
+    return DrainingServer
