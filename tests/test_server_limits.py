@@ -1,5 +1,6 @@
 """Serving limits and admin, each on a server of its own: cache resize and warm-up, the
-rotary tables' length, request body size (413), API key (401), queue full (429)."""
+rotary tables' length, request body size (413), API key (401), queue full (429), overload
+(queued, or 429)."""
 
 from __future__ import annotations
 
@@ -105,3 +106,41 @@ def test_queue_full_is_429(tok_bundle):
         assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
         assert r.json()["error"]["type"] == "rate_limit_error"
         assert results == [8, 8]
+
+
+def test_overload_is_queued_then_served_or_429(tok_bundle, fixture_pairs, tmp_path):
+    """Four times the requests the KV arena can hold at once: with room in the queue all are
+    queued and served; with a short queue the rest get 429 with Retry-After, and nothing
+    else goes wrong (no 5xx, no stuck request, the arena empty after)."""
+    from dspark.compiler.compile import CompileOptions
+    from dspark.runtime.bundle.bundle import open_bundle
+
+    from bundle_cache import compiled
+
+    main, draft = fixture_pairs[("llama", "classic")]
+    small = compiled(CompileOptions(main, draft, tmp_path / "small.dsmodel",
+                                    tokenizer=tok_bundle / "tokenizer", max_seq_len=64,
+                                    kv_budget_mb=0.12))
+    plan = open_bundle(small).plan
+    capacity = plan.num_blocks // (64 // plan.block_size)  # sequences of 64 at once
+    assert 1 <= capacity <= 4
+    body = {"model": "small", "messages": CHAT, "max_tokens": 40, "temperature": 0}
+    for max_queue, allowed in ((64, {200}), (capacity, {200, 429})):
+        with LiveServer(small, max_queue=max_queue, warmup=False) as live:
+            codes: list[int] = []
+            retry: list[str | None] = []
+
+            def send(url=live.url, codes=codes, retry=retry) -> None:
+                r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+                codes.append(r.status_code)
+                if r.status_code == 429:
+                    retry.append(r.headers.get("retry-after"))
+
+            threads = [threading.Thread(target=send) for _ in range(4 * capacity)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert set(codes) <= allowed and codes.count(200) >= capacity, codes
+            assert all(r == "1" for r in retry)
+            assert live.wait_idle()
