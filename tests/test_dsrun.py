@@ -112,23 +112,28 @@ def test_bench_reports_speedup_and_bound(capsys, compiled, tmp_path):
                        bad), "bad.jsonl:1: not JSON")
 
 
-@pytest.mark.parametrize("opt_out", [False, True])
-def test_commands_rerun_with_glibc_hugepages(opt_out):
-    """dsrun and ds-inference-server re-run themselves with glibc's huge-page tunable (it is
-    read only at start-up), keeping tunables already set, unless DSPARK_HUGEPAGES=0."""
+@pytest.mark.parametrize("given, opt_out, expect", [
+    ("glibc.malloc.arena_max=4", False, "glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1"),
+    ("glibc.malloc.arena_max=4", True, "glibc.malloc.arena_max=4"),
+    (None, False, "glibc.malloc.hugetlb=1:glibc.malloc.arena_max=2")])
+def test_commands_rerun_with_glibc_malloc_tunables(given, opt_out, expect):
+    """dsrun and ds-inference-server re-run themselves with glibc's huge-page and arena
+    tunables (read only at start-up), keeping tunables already set, unless
+    DSPARK_HUGEPAGES=0."""
     import os
     import subprocess
     import sys
 
     code = ("from dspark.runtime.cli.util import with_hugepages; with_hugepages(); "
             "import os; print(os.environ.get('GLIBC_TUNABLES'))")
-    env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}
-    env.pop("DSPARK_HUGEPAGES", None)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GLIBC_TUNABLES", "DSPARK_HUGEPAGES")}
+    if given is not None:
+        env["GLIBC_TUNABLES"] = given
     if opt_out:
         env["DSPARK_HUGEPAGES"] = "0"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.strip()
-    expect = "glibc.malloc.arena_max=4" + ("" if opt_out else ":glibc.malloc.hugetlb=1")
     assert out == expect
 
 
