@@ -105,6 +105,11 @@ def server(tok_bundle):
 SEEN: Counter = Counter()  # status codes, printed at the end (-s)
 
 
+FUZZ = settings(max_examples=250, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                       HealthCheck.function_scoped_fixture])
+
+
 def _check(response: httpx.Response) -> None:
     SEEN[response.status_code] += 1
     assert response.status_code < 500, response.text
@@ -124,18 +129,14 @@ def _check(response: httpx.Response) -> None:
 
 
 @pytest.mark.slow
-@settings(max_examples=250, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                 HealthCheck.function_scoped_fixture])
+@FUZZ
 @given(body=CHAT)
 def test_fuzzed_chat_completions(server, body):
     _check(server.http.post("/v1/chat/completions", content=json.dumps(body)))
 
 
 @pytest.mark.slow
-@settings(max_examples=250, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                 HealthCheck.function_scoped_fixture])
+@FUZZ
 @given(body=COMPLETION)
 def test_fuzzed_completions(server, body):
     _check(server.http.post("/v1/completions", content=json.dumps(body)))
