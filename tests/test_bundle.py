@@ -143,7 +143,9 @@ def test_monitoring_samples_are_valid():
     assert "dflash_reject_rate_1m) > 0.3" in expr and " and " in expr
     assert "dflash_accept_throughput_tps) < 50" in expr
     dash = json.loads((ROOT / "samples/monitoring/grafana_dflash.json").read_text())
-    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p.get("targets", ()))
     for name in ("dflash_window_size_current", "dflash_reject_rate_1m",
                  "dspar_verify_latency_p99_ms", "dspar_kv_cache_hit_rate", "dflash_ttft_ms"):
         assert name in exprs
+    assert "sum by (replica)" in exprs  # the replica row (dsrun cluster)
+    assert "replica" in {v["name"] for v in dash["templating"]["list"]}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from dspark.runtime.cli.cluster import cluster
 from dspark.runtime.cli.util import run_cli, with_hugepages
 from dspark.runtime.errors import DSparkError
 from dspark.runtime.model.device import DEVICES
@@ -232,6 +233,9 @@ def serve(model: Path, **serve_kwargs) -> None:
 @serve_options
 def inference_server(model: Path, **serve_kwargs) -> None:
     _serve(model, **serve_kwargs)
+
+
+cli.add_command(cluster)
 
 
 def main() -> None:

@@ -65,3 +65,33 @@ class ConfigWatcher:
         self.config = config
         log.info("config reloaded from %s", self.path)
         return config
+
+
+class ConfigInbox:
+    """Configs pushed from outside instead of a watched file: dsrun cluster validates a
+    changed dflash_config.json once and broadcasts it to every replica (Ray Serve's
+    user_config); the engine applies the latest between steps, as it would a file's."""
+
+    def __init__(self, config: DFlashConfig):
+        self.config = config
+        self.pending: DFlashConfig | None = None
+        self.lock = threading.Lock()
+        self.reloads = {"ok": 0, "error": 0}
+        self.last_error: str | None = None
+
+    def push(self, config: DFlashConfig) -> None:
+        """Any thread."""
+        with self.lock:
+            self.pending = config
+
+    def poll(self, force: bool = False) -> DFlashConfig | None:
+        with self.lock:
+            config, self.pending = self.pending, None
+        if config is None:
+            return None
+        self.reloads["ok"] += 1
+        if config == self.config:
+            return None
+        self.config = config
+        log.info("config pushed by the cluster applied")
+        return config

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dspark.runtime.bundle.bundle import open_bundle
-from dspark.runtime.bundle.config import CONFIG_FILE
+from dspark.runtime.bundle.config import CONFIG_FILE, DFlashConfig
 from dspark.runtime.bundle.tokenizer import BundleTokenizer, load_tokenizer
 from dspark.runtime.engine.engine import Engine
 from dspark.runtime.grammar.constraint import GrammarBook
@@ -13,20 +13,25 @@ from dspark.runtime.model.sessions import init_threads
 
 
 def load_engine(model: Path, window: int | None = None, max_batch: int = 16,
-                policy: str | None = None, config: Path | None = None, warmup: bool = True,
-                device: str = "auto") -> tuple[Engine, BundleTokenizer | None]:
+                policy: str | None = None, config: Path | DFlashConfig | None = None,
+                warmup: bool = True, device: str = "auto", watch: bool = True
+                ) -> tuple[Engine, BundleTokenizer | None]:
     """`window` alone means the fixed policy at that window; `policy` picks one by name.
-    `config` replaces the bundle's dflash_config.json; either is hot-reloaded. `device`:
-    auto, cpu or cuda."""
+    `config` (a file, or a config already validated) replaces the bundle's
+    dflash_config.json; the file is hot-reloaded unless `watch` is off (dsrun cluster pushes
+    configs to its replicas instead). `device`: auto, cpu or cuda."""
     init_threads()
+    given = config if isinstance(config, DFlashConfig) else None
+    config = None if given is not None else config
     bundle = open_bundle(model, config_path=config)
     tokenizer = load_tokenizer(bundle.tokenizer_dir)
     policy = policy or ("fixed" if window else None)
     engine = Engine(bundle, policy, window, max_batch,
                     eos_ids=tuple(sorted(tokenizer.eos_ids)) if tokenizer else (),
                     decode=tokenizer.decode if tokenizer else None, device=device,
-                    grammars=GrammarBook.of(bundle, tokenizer))
-    engine.watch_config(config or bundle.path(CONFIG_FILE))
+                    grammars=GrammarBook.of(bundle, tokenizer), config=given)
+    if watch:
+        engine.watch_config(config or bundle.path(CONFIG_FILE))
     if warmup:
         engine.warmup()
     return engine, tokenizer

@@ -233,7 +233,11 @@ async def _generate(state: ServerState, body, ids: list[int], kind: str, request
         return StreamingResponse(_sse(state, handle, meta, kind, decode, include_usage, endpoint,
                                       tool_calls.CallStream(tools)),
                                  media_type="text/event-stream")
-    seq = await _wait(state, handle, request)
+    try:
+        seq = await _wait(state, handle, request)
+    except asyncio.CancelledError:
+        state.metrics.request(endpoint, "cancelled")
+        raise
     if seq is None:
         state.metrics.request(endpoint, "cancelled")
         return Response(status_code=499)
@@ -259,6 +263,9 @@ async def _wait(state: ServerState, handle: Handle, request: Request) -> Sequenc
                 state.service.cancel(handle)
                 return None
             continue
+        except asyncio.CancelledError:  # the handler itself was cancelled (dsrun cluster's
+            state.service.cancel(handle)  # relay when its client goes, a forced shutdown)
+            raise
         if event[0] == "error":
             raise errors.server_error(event[1])
         if event[2] is not None:

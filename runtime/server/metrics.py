@@ -4,8 +4,8 @@ Everything is computed in the engine thread, after every step and about once a s
 while idle: counters, histograms, the rolling one-minute gauges (reject rate, decisions,
 accept throughput, verify p99) and the cache health, resource and reload gauges. A scrape
 (the event loop) only renders the registry, which prometheus_client locks; it never reads
-the engine. Labels: model and
-device everywhere, tenant where meaningful.
+the engine. Labels: model and device everywhere (and replica under dsrun cluster), tenant
+where meaningful.
 """
 
 from __future__ import annotations
@@ -23,10 +23,14 @@ MS_BUCKETS = (1, 2, 5, 10, 20, 35, 50, 75, 100, 150, 250, 500, 1000, 2500, 5000,
 
 
 class Metrics:
-    def __init__(self, model: str, device: str):
+    def __init__(self, model: str, device: str, replica: str | None = None):
+        """`replica`: the Ray Serve replica this engine is (dsrun cluster), a label on all."""
         self.labels = {"model": model, "device": device}
+        if replica is not None:
+            self.labels["replica"] = replica
         r = self.registry = CollectorRegistry()
-        md, mdt = ["model", "device"], ["model", "device", "tenant"]
+        md = list(self.labels)
+        mdt = [*md, "tenant"]
         self.window = Gauge("dflash_window_size_current", "Mean draft window of the last "
                             "minute's rounds", mdt, registry=r)
         self.hit_rate = Gauge("dspar_kv_cache_hit_rate", "Fraction of blocks a verify step "

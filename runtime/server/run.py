@@ -21,11 +21,12 @@ def model_id(bundle: Path) -> str:
 def build_app(model: Path, api_key: str | None = None, max_batch: int = 16,
               max_queue: int = 256, warmup: bool = True, config: Path | None = None,
               policy: str | None = None, name: str | None = None, device: str = "auto",
-              max_body_bytes: int = 8 * 2**20):
+              max_body_bytes: int = 8 * 2**20, replica: str | None = None,
+              watch: bool = True):
     engine, tokenizer = load_engine(model, max_batch=max_batch, policy=policy, config=config,
-                                    warmup=False, device=device)
+                                    warmup=False, device=device, watch=watch)
     served = name or model_id(model)
-    metrics = Metrics(served, engine.resources.device.name)
+    metrics = Metrics(served, engine.resources.device.name, replica)
     service = EngineService(engine, max_queue, on_step=metrics.on_step,
                             on_cancel=metrics.forget)
     state = ServerState(service, tokenizer, served, metrics,

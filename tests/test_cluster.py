@@ -1,0 +1,247 @@
+"""`dsrun cluster` end to end: a local Ray Serve with 2 engine replicas of a fixture bundle,
+started as users start it (a process), driven by the official openai client and httpx.
+
+One module-scoped cluster (Ray's start-up is the cost); the replica kill runs last."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cli_helpers import run_dsrun
+
+START_TIMEOUT_S = 120
+
+
+@dataclass
+class LiveCluster:
+    url: str
+    model: str
+    config: Path
+    proc: subprocess.Popen
+
+    def client(self, **headers) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0,
+                             default_headers=headers or None)
+
+    def post(self, path: str, body: dict, **headers) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", json={"model": self.model, **body},
+                          headers=headers, timeout=60)
+
+    def replica_samples(self, family: str) -> list:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return [s for f in text_string_to_metric_families(text) if f.name == family
+                for s in f.samples]
+
+    def replicas(self) -> set[str]:
+        return {s.labels["replica"] for s in self.replica_samples("dspar_kv_cache_usage_ratio")}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"dsrun cluster exited: {proc.stderr.read()}")
+        try:
+            if value := predicate():
+                return value
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _start(*args: str, env: dict | None = None) -> subprocess.Popen:
+    dsrun = os.path.join(os.path.dirname(sys.executable), "dsrun")
+    return subprocess.Popen([dsrun, "cluster", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster(json_bundle, tmp_path_factory):
+    config = tmp_path_factory.mktemp("cluster") / "dflash_config.json"
+    shutil.copy(json_bundle / "dflash_config.json", config)
+    port = _free_port()
+    proc = _start("--model", str(json_bundle), "--replicas", "2", "--port", str(port),
+                  "--config", str(config), "--no-warmup",
+                  env={"RAY_AUTH_MODE": "disabled"})  # the test connects to kill a replica
+    live = LiveCluster(f"http://127.0.0.1:{port}", "", config, proc)
+    try:
+        _wait(lambda: httpx.get(f"{live.url}/health", timeout=2).status_code == 200,
+              START_TIMEOUT_S, "the cluster", proc)
+        live.model = httpx.get(f"{live.url}/v1/models").json()["data"][0]["id"]
+        _wait(lambda: len(live.replicas()) == 2, 30, "both replicas' metrics", proc)
+        yield live
+    finally:
+        _stop(proc)
+
+
+def test_openai_client_gets_the_tokens_dsrun_generate_gives(cluster, json_bundle, capsys):
+    ref = run_dsrun(capsys, "generate", "--model", json_bundle, "--chat", "name three colors",
+                    "--max-tokens", "24", "--json")
+    assert ref.code == 0, ref.err
+    expected = json.loads(ref.out)["text"]
+    client = cluster.client()
+    messages = [{"role": "user", "content": "name three colors"}]
+    chat = client.chat.completions.create(model=cluster.model, messages=messages,
+                                          max_tokens=24, temperature=0)
+    assert chat.choices[0].message.content == expected
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=cluster.model, messages=messages, max_tokens=24, temperature=0, stream=True)
+        if c.choices)
+    assert streamed == expected
+    ref = run_dsrun(capsys, "generate", "--model", json_bundle, "--prompt", "once upon",
+                    "--max-tokens", "16", "--json")
+    text = client.completions.create(model=cluster.model, prompt="once upon", max_tokens=16,
+                                     temperature=0).choices[0].text
+    assert text == json.loads(ref.out)["text"]
+
+
+def test_concurrent_requests_all_succeed_on_both_replicas(cluster):
+    def one(i: int) -> httpx.Response:
+        return cluster.post("/v1/completions", {"prompt": f"request {i} says", "max_tokens": 12,
+                                                "temperature": 0})
+
+    with ThreadPoolExecutor(32) as pool:
+        responses = list(pool.map(one, range(32)))
+    assert [r.status_code for r in responses] == [200] * 32
+    assert {r.headers["x-dspark-replica"] for r in responses} == cluster.replicas()
+
+
+def test_a_tenant_stays_on_one_replica(cluster):
+    served: dict[str, set[str]] = {}
+    for round_ in range(4):
+        for tenant in ("acme", "globex", "initech", "umbrella", "hooli", "wayne"):
+            r = cluster.post("/v1/chat/completions", {
+                "messages": [{"role": "user", "content": f"turn {round_}"}], "max_tokens": 6},
+                **{"X-Tenant-ID": tenant})
+            assert r.status_code == 200
+            served.setdefault(tenant, set()).add(r.headers["x-dspark-replica"])
+    assert all(len(replicas) == 1 for replicas in served.values()), served
+    # the tenant's metrics live on the replica that served it, labelled with it
+    by_tenant = {(s.labels["tenant"], s.labels["replica"])
+                 for s in cluster.replica_samples("dflash_ttft_ms")
+                 if s.name == "dflash_ttft_ms_count" and s.labels["tenant"] in served}
+    assert by_tenant == {(t, next(iter(r))) for t, r in served.items()}
+
+
+def _reloads(cluster: LiveCluster) -> dict[str, float]:
+    return {s.labels["replica"]: s.value for s in cluster.replica_samples(
+        "dflash_config_reloads") if s.labels["result"] == "ok"}
+
+
+def test_a_config_change_reaches_every_replica_without_restarts(cluster):
+    before, replicas = _reloads(cluster), cluster.replicas()
+    config = json.loads(cluster.config.read_text())
+    cluster.config.write_text("{ not json")  # rejected once, by dsrun cluster
+    time.sleep(2)
+    assert _reloads(cluster) == before
+    config.setdefault("drafting", {})["method"] = "lookup"
+    cluster.config.write_text(json.dumps(config))
+    _wait(lambda: all(n > before[r] for r, n in _reloads(cluster).items()), 60,
+          "the config on every replica")
+    assert cluster.replicas() == replicas  # reconfigured in place
+    for tenant in ("acme", "globex", "initech", "umbrella"):
+        stats = cluster.post("/v1/completions", {"prompt": "a b a b a b a b", "max_tokens": 16,
+                                                 "temperature": 0},
+                             **{"X-Tenant-ID": tenant}).json()["speculative_decoding_stats"]
+        assert "draft" not in stats["methods"], stats
+
+
+def _cancelled(cluster: LiveCluster) -> float:
+    return sum(s.value for s in cluster.replica_samples("dflash_requests")
+               if s.name == "dflash_requests_total" and s.labels["status"] == "cancelled")
+
+
+def test_a_client_that_goes_away_cancels_its_request_on_the_replica(cluster):
+    before = _cancelled(cluster)
+    body = {"model": cluster.model, "prompt": "a long answer", "max_tokens": 1000,
+            "temperature": 0, "speculative_decoding": False}
+    with pytest.raises(httpx.ReadTimeout):  # waiting for a non-streamed answer, then gone
+        httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=0.3)
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json={**body, "stream": True},
+                      timeout=30) as r:
+        assert next(line for line in r.iter_lines() if line.startswith("data: "))
+    _wait(lambda: _cancelled(cluster) >= before + 2, 30, "both requests cancelled")
+
+
+def test_a_killed_replica_fails_its_stream_cleanly_and_the_rest_serve_on(cluster):
+    import ray
+
+    ray.init(address="auto", namespace="dspark", log_to_driver=False)
+    try:
+        body = {"model": cluster.model, "prompt": "tell a long story", "max_tokens": 900,
+                "temperature": 0, "stream": True, "speculative_decoding": False}
+        with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60,
+                          headers={"X-Tenant-ID": "victim"}) as r:
+            victim = r.headers["x-dspark-replica"]
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            ray.kill(ray.get_actor(f"SERVE_REPLICA::dspark#EngineReplica#{victim}",
+                                   namespace="serve"), no_restart=True)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["code"] == "replica_unavailable" and error["type"] == "server_error"
+        for i in range(20):
+            r = cluster.post("/v1/completions", {"prompt": f"after {i}", "max_tokens": 8},
+                             **{"X-Tenant-ID": "victim"})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-dspark-replica"] != victim
+        _wait(lambda: len(cluster.replicas() - {victim}) == 2, 90, "a replacement replica")
+    finally:
+        ray.shutdown()
+
+
+def test_a_shipped_bundle_serves_the_same_tokens(tok_bundle, tmp_path):
+    """--ship-bundle: the bundle travels as the job's working_dir (no shared filesystem);
+    the replica verifies its hashes and answers as the path-loaded bundle does."""
+    port = _free_port()
+    proc = _start("--model", str(tok_bundle), "--replicas", "1", "--port", str(port),
+                  "--ship-bundle", "--no-warmup")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200,
+              START_TIMEOUT_S, "the shipped cluster", proc)
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        assert model == tok_bundle.name.removesuffix(".dsmodel")
+        body = {"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0}
+        got = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        from dspark.runtime.engine.loader import load_engine
+        from dspark.runtime.sequence.request import GenerationRequest
+
+        engine, tokenizer = load_engine(tok_bundle, warmup=False)
+        [seq] = engine.generate([GenerationRequest((5, 6, 7, 8), 12)])
+        assert got["choices"][0]["text"] == tokenizer.decode(seq.generated)
+    finally:
+        _stop(proc)
