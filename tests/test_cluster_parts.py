@@ -184,3 +184,41 @@ def test_the_application_sizes_replicas_from_the_spec():
             config.autoscaling_config.max_replicas) == (1, 3)
     assert config.request_router_config.request_router_class.endswith(
         TenantAffinityRouter.__name__)
+
+
+def test_relay_cancels_a_waiting_generation_when_its_client_goes(json_bundle):
+    """A non-streamed request relayed to the real app: closing the relay (what Ray does when
+    the client leaves the ingress) cancels the sequence in the engine, long before its
+    max_tokens, and counts it as cancelled."""
+    from dspark.runtime.server.run import build_app
+
+    app, state = build_app(json_bundle, warmup=False, watch=False)
+    handles, submit = [], state.service.submit
+    state.service.submit = lambda request: handles.append(submit(request)) or handles[-1]
+    state.service.start(False)
+    body = json.dumps({"model": state.model_id, "prompt": "a long answer", "max_tokens": 1000,
+                       "temperature": 0, "speculative_decoding": False}).encode()
+
+    async def run():
+        relay = serve_forwarded(app, Forwarded("POST", "/v1/completions", b"", (
+            (b"content-type", b"application/json"),), body))
+        waiting = asyncio.ensure_future(relay.__anext__())
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # no answer yet: the engine is generating
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await relay.aclose()
+        for _ in range(100):
+            if not state.service.snapshot.running and not state.service.handles:
+                break
+            await asyncio.sleep(0.05)
+
+    try:
+        asyncio.run(run())
+        text = state.metrics.render().decode()
+        assert 'status="cancelled"} 1.0' in text and 'status="ok"' not in text
+        assert not state.service.snapshot.running
+        [handle] = handles
+        assert handle.seq.finish_reason == "cancelled" and len(handle.seq.generated) < 1000
+    finally:
+        state.service.stop()

@@ -39,10 +39,12 @@ PathArg = click.Path(path_type=Path)
               help="dflash_config.json for every replica (hot-reloaded, pushed to all)")
 @click.option("--policy", help="window policy (default: the config's)")
 @click.option("--served-model-name", "name", help="model id in the API")
+@click.option("--ray-metrics-port", type=click.IntRange(1, 65535),
+              help="export the local Ray's own Prometheus metrics here [default: a free port]")
 @click.option("--no-warmup", is_flag=True)
 def cluster(model: Path, replicas, autoscale, address, host, port, cpus_per_replica,
             gpus_per_replica, ship_bundle, api_key, max_batch, max_queue, imbalance,
-            config_path, policy, name, no_warmup) -> None:
+            config_path, policy, name, ray_metrics_port, no_warmup) -> None:
     """Serve the OpenAI API from several engine replicas on Ray Serve."""
     from dspark.runtime.cluster.spec import ClusterSpec, parse_autoscale
 
@@ -65,7 +67,7 @@ def cluster(model: Path, replicas, autoscale, address, host, port, cpus_per_repl
     deployed = Cluster(spec, model, config_path, ship_bundle)
     click.echo(f"[dsrun] starting {count} replica(s) of {model} "
                f"({cpus:g} CPU each) on Ray Serve", err=True)
-    deployed.start(address, host, port, num_cpus=None)
+    deployed.start(address, host, port, num_cpus=None, ray_metrics_port=ray_metrics_port)
     click.echo(f"[dsrun] cluster serving on http://{host}:{port}/v1 (Ctrl-C stops it)",
                err=True)
     run_until_signal(deployed)

@@ -40,7 +40,10 @@ class Cluster:
                             dflash_config=self.watcher.config.to_dict())
         self.started_ray = False
 
-    def start(self, address: str | None, host: str, port: int, num_cpus: int | None) -> None:
+    def start(self, address: str | None, host: str, port: int, num_cpus: int | None,
+              ray_metrics_port: int | None = None) -> None:
+        """`ray_metrics_port`: where a local Ray's own Prometheus metrics are exported (Ray's
+        metrics agent, Serve's ray_serve_* series included); default: a free port Ray picks."""
         import ray
         from ray import serve
 
@@ -49,7 +52,7 @@ class Cluster:
         if address is None:
             quiet_ray_serve()
             ray.init(address="local", include_dashboard=False, num_cpus=num_cpus,
-                     log_to_driver=False,
+                     log_to_driver=False, _metrics_export_port=ray_metrics_port,
                      namespace=APP, configure_logging=False, **shipped)
             self.started_ray = True
         else:

@@ -37,7 +37,10 @@ class Handle:
     sent: int = 0  # tokens already announced
 
     def post(self, event: tuple) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # its event loop is closed: nobody is left to read the event
+            pass
 
 
 class EngineService:
