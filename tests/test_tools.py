@@ -36,6 +36,8 @@ def test_choices_and_calls():
     assert e.value.param == "tool_choice.function.name" and "get_time" in str(e.value)
     call = parse_call('{"name": "get_time", "arguments": {"zone": "utc"}}', TOOLS)
     assert call["function"] == {"name": "get_time", "arguments": '{"zone": "utc"}'}
+    raw = parse_call('{"name": "get_time", "arguments": {"zone": "\\u0075tc"}}', TOOLS)
+    assert raw["function"]["arguments"] == '{"zone": "\\u0075tc"}'  # as generated
     assert call["id"].startswith("call_") and call["type"] == "function"
     assert parse_call("it is sunny", TOOLS) is None
     assert parse_call('{"name": "other", "arguments": {}}', TOOLS) is None
@@ -90,15 +92,27 @@ def test_tool_calling_round_trip_with_the_openai_client(json_bundle):
         [call] = choice.message.tool_calls
         assert call.type == "function" and call.id.startswith("call_")
         json.loads(call.function.arguments)
-        # the same request streamed: the call arrives in the chunk shape, whole
+        # the same request streamed: the call's id and name first, then its arguments in
+        # pieces as they are generated, joining to the non-streamed call's arguments
         stream = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
                                                 tool_choice="required", max_tokens=80,
                                                 temperature=0, stream=True)
         chunks = [c for c in stream if c.choices]
         deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
-        assert [d.function.name for d in deltas] == [call.function.name]
-        assert deltas[0].function.arguments == call.function.arguments
+        assert deltas[0].id.startswith("call_") and deltas[0].function.name == call.function.name
+        assert deltas[0].function.arguments == "" and len(deltas) > 2
+        assert all(d.index == 0 and d.id is None and d.function.name is None
+                   for d in deltas[1:])
+        assert "".join(d.function.arguments for d in deltas) == call.function.arguments
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        # the SDK's stream helper assembles the same call
+        with client.chat.completions.stream(model=model, messages=messages, tools=TOOLS,
+                                            tool_choice="required", max_tokens=80,
+                                            temperature=0) as helper:
+            final = helper.get_final_completion()
+        [assembled] = final.choices[0].message.tool_calls
+        assert (assembled.function.name, assembled.function.arguments) == (
+            call.function.name, call.function.arguments)
         # the round trip: the call and its result go back, the model answers
         follow = client.chat.completions.create(model=model, max_tokens=8, temperature=0,
                                                 tools=TOOLS, tool_choice="none", messages=[
@@ -122,3 +136,36 @@ def test_tool_calling_round_trip_with_the_openai_client(json_bundle):
                                                        extra_body={"tools": TOOLS}))
         assert e.status_code == 400 and e.body["param"] == "tools"
         assert live.wait_idle()
+
+
+def _stream(pieces: list[str]) -> tuple[list[dict], str, list[dict], str, bool]:
+    from dspark.runtime.server.tool_calls import CallStream
+
+    calls, text, sent = CallStream(TOOLS), "", []
+    for piece in pieces:
+        text += calls.text(piece)
+        sent += calls.deltas()
+    last, rest, called = calls.finish()
+    return sent, text, last, rest, called
+
+
+def test_a_streamed_call_arrives_head_first_then_arguments_in_pieces():
+    whole = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}'
+    sent, text, last, rest, called = _stream(list(whole))  # one character per step
+    assert text == rest == "" and called
+    head, *args = sent + last
+    assert head["function"] == {"name": "get_weather", "arguments": ""}
+    assert head["id"].startswith("call_") and head["type"] == "function"
+    assert len(args) > 10 and all(set(a) == {"index", "function"} for a in args)
+    assert "".join(a["function"]["arguments"] for a in args) == '{"city": "Oslo", "unit": "c"}'
+    # cut short (max_tokens): what was sent stays a prefix, no whole call is claimed
+    sent, _, last, rest, called = _stream(list(whole[:50]))
+    assert not called and rest == ""
+    streamed = "".join(d["function"]["arguments"] for d in sent + last)
+    assert streamed == whole[whole.index('{"city'):50]
+    # an answer in text is sent as text; the call that never started sends nothing
+    sent, text, last, rest, called = _stream(["  It is", " sunny"])
+    assert (sent, text, last, rest, called) == ([], "  It is sunny", [], "", False)
+    # everything in the final step: the whole call in one delta
+    sent, _, last, _, called = _stream([whole])
+    assert called and sent[0]["function"]["name"] == "get_weather"

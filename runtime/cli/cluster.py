@@ -65,7 +65,8 @@ def cluster(model: Path, replicas, autoscale, address, host, port, cpus_per_repl
                        api_key=api_key or read_env().api_key,
                        policy=policy, warmup=not no_warmup)
     deployed = Cluster(spec, model, config_path, ship_bundle)
-    click.echo(f"[dsrun] starting {count} replica(s) of {model} "
+    replicas_text = f"{scale[0]}-{scale[1]}" if scale else str(count)
+    click.echo(f"[dsrun] starting {replicas_text} replica(s) of {model} "
                f"({cpus:g} CPU each) on Ray Serve", err=True)
     deployed.start(address, host, port, num_cpus=None, ray_metrics_port=ray_metrics_port)
     click.echo(f"[dsrun] cluster serving on http://{host}:{port}/v1 (Ctrl-C stops it)",

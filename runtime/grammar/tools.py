@@ -17,6 +17,7 @@ for speculation like any forced token.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 from dspark.runtime.errors import RequestError
@@ -85,8 +86,20 @@ def call_text(call: dict) -> str:
     return json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)
 
 
-def parse_call(text: str, tools: list[dict]) -> dict | None:
-    """The OpenAI tool_call in a generated text, or None (an answer in text)."""
+# how the grammar writes a call's head (compact JSON, "name" first): what a stream waits for
+# before it can announce the call, and after which the arguments' text begins
+CALL_HEAD = re.compile(r'\s*\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
+
+
+def call_head(text: str) -> tuple[str, int] | None:
+    """(function name, where the arguments start) once a call's head is complete."""
+    match = CALL_HEAD.match(text)
+    return (json.loads(match.group(1)), match.end()) if match else None
+
+
+def parse_call(text: str, tools: list[dict], call_id: str | None = None) -> dict | None:
+    """The OpenAI tool_call in a generated text, or None (an answer in text). `arguments`
+    is the generated text of the arguments object (what a stream sent, piece by piece)."""
     try:
         obj = json.loads(text)
     except ValueError:
@@ -95,6 +108,21 @@ def parse_call(text: str, tools: list[dict]) -> dict | None:
     if not isinstance(obj, dict) or obj.get("name") not in names or not isinstance(
             obj.get("arguments"), dict):
         return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"],
-                         "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}}
+    arguments = json.dumps(obj["arguments"], ensure_ascii=False)
+    if (head := call_head(text)) is not None:
+        raw = text.rstrip()[head[1]:-1]
+        if _loads(raw) == obj["arguments"]:
+            arguments = raw
+    return {"id": call_id or new_call_id(), "type": "function",
+            "function": {"name": obj["name"], "arguments": arguments}}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None

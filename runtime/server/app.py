@@ -284,7 +284,7 @@ async def _sse(state: ServerState, handle: Handle, meta: dict, kind: str, decode
             delta = {"role": "assistant", "content": ""} if role else (
                 {"content": text} if text else {})
             if call is not None:
-                delta = {"tool_calls": [{"index": 0, **call}]}
+                delta = {"tool_calls": [call]}
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
@@ -311,14 +311,17 @@ async def _sse(state: ServerState, handle: Handle, meta: dict, kind: str, decode
                                            seq.text_end if finish else None))
             if text:
                 yield chunk(text)
-            if finish is not None:
+            if finish is None:
+                for call in calls.deltas():
+                    yield chunk(None, call=call)
+            else:
                 done = True
-                call, rest = calls.finish()
+                last, rest, called = calls.finish()
                 if rest:
                     yield chunk(rest)
-                if call is not None:
+                for call in last:
                     yield chunk(None, call=call)
-                    finish = "tool_calls"
+                finish = "tool_calls" if called else finish
                 yield chunk(None, finish,
                             extra={"speculative_decoding_stats": seq.stats.summary()})
                 if include_usage:
