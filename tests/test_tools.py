@@ -13,7 +13,13 @@ from dspark.runtime.bundle.tokenizer import load_tokenizer
 from dspark.runtime.engine.engine import Engine
 from dspark.runtime.errors import RequestError
 from dspark.runtime.grammar.constraint import GrammarBook
-from dspark.runtime.grammar.tools import call_schema, parse_call, tool_grammar
+from dspark.runtime.grammar.tools import (
+    call_schema,
+    parse_call,
+    parse_calls,
+    tool_grammar,
+    with_tools,
+)
 from dspark.runtime.sequence.request import GenerationRequest
 
 WEATHER = {"type": "function", "function": {
@@ -44,13 +50,14 @@ def test_choices_and_calls():
     assert call_schema({"name": "f"})["properties"]["arguments"]["type"] == "object"
 
 
-@pytest.mark.parametrize("choice", ["required", "auto",
-                                    {"type": "function", "function": {"name": "get_weather"}}],
-                         ids=["required", "auto", "named"])
-def test_tool_grammar_is_lossless_and_calls_are_valid(json_bundle, choice):
+@pytest.mark.parametrize("choice, parallel", [
+    ("required", False), ("auto", False),
+    ({"type": "function", "function": {"name": "get_weather"}}, False), ("required", True)],
+    ids=["required", "auto", "named", "required-parallel"])
+def test_tool_grammar_is_lossless_and_calls_are_valid(json_bundle, choice, parallel):
     bundle = open_bundle(json_bundle)
     tokenizer = load_tokenizer(bundle.tokenizer_dir)
-    grammar = tool_grammar(TOOLS, choice)
+    grammar = tool_grammar(TOOLS, choice, parallel)
     prompts = [(5, 6, 7), (9, 8), (40, 41, 42, 43), (100,)]
     requests = [GenerationRequest(p, 80, grammar=grammar, speculative=spec, method="hybrid")
                 for spec in (False, True) for p in prompts]
@@ -62,17 +69,24 @@ def test_tool_grammar_is_lossless_and_calls_are_valid(json_bundle, choice):
     calls = 0
     for seq in seqs:
         text = tokenizer.decode(seq.generated)
-        call = parse_call(text, TOOLS)
-        if choice == "auto" and call is None:
+        if parallel and seq.finish_reason == "length":  # calls until max_tokens: all but
+            text = text[: text.rindex("\n")]          # the last, cut one are whole
+        found = parse_calls(text, TOOLS)
+        if choice == "auto" and found is None:
             assert not text.lstrip().startswith("{")  # an answer in text
             continue
-        assert call is not None and seq.finish_reason == "stop", text
-        function = next(t["function"] for t in TOOLS if t["function"]["name"] ==
-                        call["function"]["name"])
-        jsonschema.validate(json.loads(call["function"]["arguments"]), function["parameters"])
+        assert found is not None, text
+        assert seq.finish_reason == ("length" if parallel and seq.finish_reason == "length"
+                                     else "stop")
+        assert parallel or len(found) == 1
+        for call in found:
+            function = next(t["function"] for t in TOOLS if t["function"]["name"] ==
+                            call["function"]["name"])
+            jsonschema.validate(json.loads(call["function"]["arguments"]),
+                                function["parameters"])
+            if isinstance(choice, dict):
+                assert call["function"]["name"] == "get_weather"
         calls += 1
-        if isinstance(choice, dict):
-            assert call["function"]["name"] == "get_weather"
     if choice != "auto":  # (a random model answers "auto" in text: only the grammar calls)
         assert calls == len(seqs)
 
@@ -113,6 +127,19 @@ def test_tool_calling_round_trip_with_the_openai_client(json_bundle):
         [assembled] = final.choices[0].message.tool_calls
         assert (assembled.function.name, assembled.function.arguments) == (
             call.function.name, call.function.arguments)
+        # parallel_tool_calls: true: several calls, streamed with one index each; their
+        # arguments join to the non-streamed calls' (a call cut by max_tokens: streamed in
+        # part, left out of the non-streamed answer)
+        many = dict(model=model, messages=messages, tools=TOOLS, tool_choice="required",
+                    max_tokens=60, temperature=0, parallel_tool_calls=True)
+        whole = client.chat.completions.create(**many).choices[0]
+        chunks = [c for c in client.chat.completions.create(**many, stream=True) if c.choices]
+        deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+        assert whole.message.tool_calls
+        for i, call_i in enumerate(whole.message.tool_calls):
+            assert "".join(d.function.arguments for d in deltas if d.index == i) == \
+                call_i.function.arguments
+        assert chunks[-1].choices[0].finish_reason == whole.finish_reason
         # the round trip: the call and its result go back, the model answers
         follow = client.chat.completions.create(model=model, max_tokens=8, temperature=0,
                                                 tools=TOOLS, tool_choice="none", messages=[
@@ -169,3 +196,22 @@ def test_a_streamed_call_arrives_head_first_then_arguments_in_pieces():
     # everything in the final step: the whole call in one delta
     sent, _, last, _, called = _stream([whole])
     assert called and sent[0]["function"]["name"] == "get_weather"
+
+
+def test_parallel_calls_stream_one_index_each():
+    first = '{"name": "get_time", "arguments": {"zone": "cet"}}'
+    second = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}'
+    sent, text, last, rest, called = _stream(list(first + "\n" + second))
+    assert called and text == rest == ""
+    deltas = sent + last
+    heads = [d for d in deltas if "id" in d]
+    assert [(h["index"], h["function"]["name"]) for h in heads] == [(0, "get_time"),
+                                                                    (1, "get_weather")]
+    joined = ["".join(d["function"]["arguments"] for d in deltas if d["index"] == i)
+              for i in (0, 1)]
+    calls = parse_calls(first + "\n" + second, TOOLS)
+    assert joined == [c["function"]["arguments"] for c in calls]
+    assert joined == ['{"zone": "cet"}', '{"city": "Oslo", "unit": "c"}']
+    assert parse_calls(first + "\nnot a call", TOOLS) is None
+    assert "one such object per line" in with_tools([], TOOLS, parallel=True)[0]["content"]
+    assert "per line" not in with_tools([], TOOLS)[0]["content"]

@@ -5,10 +5,13 @@ A call is one JSON object `{"name": ..., "arguments": {...}}`, its arguments fol
 function's `parameters` schema (compact JSON, runtime/grammar/formats.py):
 
     tool_choice "none"         no grammar: the model answers in text
-    "auto" (the default)       text, or a call: a grammar whose text branch may not start
+    "auto" (the default)       text, or calls: a grammar whose text branch may not start
                                with "{" (so an answer starting with "{" is a call)
-    "required"                 a call of any of the tools
-    {"type": "function", "function": {"name": N}}   a call of N
+    "required"                 calls of any of the tools
+    {"type": "function", "function": {"name": N}}   one call of N
+
+With parallel (the request's parallel_tool_calls: true) an answer may hold several calls,
+one per line (compact JSON has no raw newline inside a call); without, exactly one.
 
 Calls are forced into their grammar, so their keys and the function names are free drafts
 for speculation like any forced token.
@@ -33,8 +36,9 @@ def call_schema(function: dict) -> dict:
         "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def tool_grammar(tools: list[dict], choice) -> str | None:
-    """tools: OpenAI function tools (already shape-checked); choice: tool_choice."""
+def tool_grammar(tools: list[dict], choice, parallel: bool = False) -> str | None:
+    """tools: OpenAI function tools (already shape-checked); choice: tool_choice;
+    parallel: parallel_tool_calls (not for a named function: one call of it)."""
     choice = "auto" if choice is None else choice
     if not tools or choice == "none":
         return None
@@ -49,27 +53,32 @@ def tool_grammar(tools: list[dict], choice) -> str | None:
         functions = named
     schemas = [call_schema(f) for f in functions]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    if choice != "auto":
+    many = parallel and not isinstance(choice, dict)
+    if choice != "auto" and not many:
         return schema_grammar(schema, "tools")
     from llguidance import LLMatcher
 
     embedded = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+    start = "start: calls | text\n" if choice == "auto" else "start: calls\n"
+    calls = 'calls: call ("\\n" call)*\n' if many else "calls: call\n"
     return LLMatcher.grammar_from_lark(
-        "start: call | text\ntext: /[^{](.|\\n)*/\ncall: %json " + embedded)
+        start + calls + "text: /[^{](.|\\n)*/\ncall: %json " + embedded)
 
 
-def tools_prompt(tools: list[dict]) -> str:
+def tools_prompt(tools: list[dict], parallel: bool = False) -> str:
     """What the system message says about the tools (for templates without a tools slot)."""
     listing = json.dumps([{k: v for k, v in t["function"].items() if v is not None}
                           for t in tools], ensure_ascii=False)
+    several = " To call several, write one such object per line." if parallel else ""
     return ("You can call functions. To call one, reply with only a JSON object "
-            '{"name": <function name>, "arguments": <arguments object>}. Functions: '
-            + listing)
+            '{"name": <function name>, "arguments": <arguments object>}.' + several +
+            " Functions: " + listing)
 
 
-def with_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
+def with_tools(messages: list[dict], tools: list[dict], parallel: bool = False
+               ) -> list[dict]:
     """The tools described in the (first) system message."""
-    text = tools_prompt(tools)
+    text = tools_prompt(tools, parallel)
     if messages and messages[0]["role"] == "system":
         return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text},
                 *messages[1:]]
@@ -115,6 +124,13 @@ def parse_call(text: str, tools: list[dict], call_id: str | None = None) -> dict
             arguments = raw
     return {"id": call_id or new_call_id(), "type": "function",
             "function": {"name": obj["name"], "arguments": arguments}}
+
+
+def parse_calls(text: str, tools: list[dict]) -> list[dict] | None:
+    """The tool_calls in a generated text (one per line), or None if any line is not one."""
+    lines = text.strip().split("\n")
+    calls = [parse_call(line, tools) for line in lines]
+    return calls if lines and all(c is not None for c in calls) else None
 
 
 def new_call_id() -> str:
