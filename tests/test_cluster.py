@@ -150,11 +150,17 @@ def test_a_tenant_stays_on_one_replica(cluster):
             assert r.status_code == 200
             served.setdefault(tenant, set()).add(r.headers["x-dspark-replica"])
     assert all(len(replicas) == 1 for replicas in served.values()), served
-    # the tenant's metrics live on the replica that served it, labelled with it
-    by_tenant = {(s.labels["tenant"], s.labels["replica"])
-                 for s in cluster.replica_samples("dflash_ttft_ms")
-                 if s.name == "dflash_ttft_ms_count" and s.labels["tenant"] in served}
-    assert by_tenant == {(t, next(iter(r))) for t, r in served.items()}
+    # the tenant's metrics live on the replica that served it, labelled with it (replicas
+    # report once a second: wait for the last requests to show, then compare)
+    want = {(t, next(iter(r))) for t, r in served.items()}
+
+    def by_tenant() -> set:
+        return {(s.labels["tenant"], s.labels["replica"])
+                for s in cluster.replica_samples("dflash_ttft_ms")
+                if s.name == "dflash_ttft_ms_count" and s.labels["tenant"] in served}
+
+    _wait(lambda: by_tenant() >= want, 10, "every tenant's metrics")
+    assert by_tenant() == want
 
 
 def test_ray_keeps_exporting_its_own_metrics(cluster):

@@ -160,9 +160,14 @@ def test_cluster_usage_errors_exit_2(capsys, json_bundle, args, message):
     assert result.code == 2 and message in result.err
 
 
-def test_cluster_refuses_a_bad_bundle_before_starting_ray(capsys, tmp_path):
+def test_cluster_refuses_a_bad_bundle_or_config_before_starting_ray(capsys, tmp_path,
+                                                                    json_bundle):
     result = run_dsrun(capsys, "cluster", "--model", tmp_path / "missing.dsmodel")
     assert result.code == 2 and "missing.dsmodel" in result.err
+    bad = tmp_path / "dflash_config.json"
+    bad.write_text('{"window": {"max_window": 0}}')
+    result = run_dsrun(capsys, "cluster", "--model", json_bundle, "--config", bad)
+    assert result.code == 2 and "max_window" in result.err
 
 
 def test_the_application_sizes_replicas_from_the_spec():

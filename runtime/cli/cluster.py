@@ -68,7 +68,7 @@ def cluster(model: Path, replicas, autoscale, address, host, port, cpus_per_repl
     replicas_text = f"{scale[0]}-{scale[1]}" if scale else str(count)
     click.echo(f"[dsrun] starting {replicas_text} replica(s) of {model} "
                f"({cpus:g} CPU each) on Ray Serve", err=True)
-    deployed.start(address, host, port, num_cpus=None, ray_metrics_port=ray_metrics_port)
+    deployed.start(address, host, port, ray_metrics_port=ray_metrics_port)
     click.echo(f"[dsrun] cluster serving on http://{host}:{port}/v1 (Ctrl-C stops it)",
                err=True)
     run_until_signal(deployed)

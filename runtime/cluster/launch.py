@@ -1,6 +1,6 @@
 """`dsrun cluster`: start (or join) Ray, deploy the application, keep the config in sync.
 
-    ray.init (loopback, or --address) -> serve.start(host, port) -> serve.run(app)
+    ray.init (a local Ray, or --address) -> serve.start(host, port) -> serve.run(app)
       loop: dflash_config.json changed? validate once -> publish on the ClusterBoard; every
             replica picks it up within a second and applies it between steps (no restart)
       SIGTERM/SIGINT: delete the app (replicas drain), stop Ray if we started it
@@ -29,10 +29,10 @@ class Cluster:
     """A deployed application; `sync_config()` pushes a changed config file to it."""
 
     def __init__(self, spec: ClusterSpec, bundle: Path, config: Path | None, ship: bool):
-        checked = open_bundle(bundle)  # refuse a bad bundle before starting anything
+        # refuse a bad bundle or config before starting anything
+        checked = open_bundle(bundle, config_path=config)
         self.config_path = config or checked.path(CONFIG_FILE)
-        self.watcher = ConfigWatcher(self.config_path, checked.config if config is None
-                                     else _load(self.config_path))
+        self.watcher = ConfigWatcher(self.config_path, checked.config)
         self.ship = ship
         self.bundle = bundle.resolve()
         self.spec = replace(spec, model=SHIPPED if ship else str(self.bundle),
@@ -40,7 +40,7 @@ class Cluster:
                             dflash_config=self.watcher.config.to_dict())
         self.started_ray = False
 
-    def start(self, address: str | None, host: str, port: int, num_cpus: int | None,
+    def start(self, address: str | None, host: str, port: int,
               ray_metrics_port: int | None = None) -> None:
         """`ray_metrics_port`: where a local Ray's own Prometheus metrics are exported (Ray's
         metrics agent, Serve's ray_serve_* series included); default: a free port Ray picks."""
@@ -51,7 +51,7 @@ class Cluster:
         shipped = {"runtime_env": {"working_dir": str(self.bundle)}} if self.ship else {}
         if address is None:
             quiet_ray_serve()
-            ray.init(address="local", include_dashboard=False, num_cpus=num_cpus,
+            ray.init(address="local", include_dashboard=False,
                      log_to_driver=False, _metrics_export_port=ray_metrics_port,
                      namespace=APP, configure_logging=False, **shipped)
             self.started_ray = True
@@ -109,9 +109,3 @@ def run_until_signal(cluster: Cluster) -> None:
             cluster.sync_config()
     finally:
         cluster.stop()
-
-
-def _load(path: Path):
-    from dspark.runtime.bundle.config import load_config
-
-    return load_config(path)

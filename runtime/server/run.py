@@ -6,6 +6,7 @@ import threading
 import time
 from pathlib import Path
 
+from dspark.runtime.bundle.config import DFlashConfig
 from dspark.runtime.engine.loader import load_engine
 from dspark.runtime.env import read_env
 from dspark.runtime.server.app import ServerState, create_app
@@ -19,7 +20,8 @@ def model_id(bundle: Path) -> str:
 
 
 def build_app(model: Path, api_key: str | None = None, max_batch: int = 16,
-              max_queue: int = 256, warmup: bool = True, config: Path | None = None,
+              max_queue: int = 256, warmup: bool = True,
+              config: Path | DFlashConfig | None = None,
               policy: str | None = None, name: str | None = None, device: str = "auto",
               max_body_bytes: int = 8 * 2**20, replica: str | None = None,
               watch: bool = True):
