@@ -241,3 +241,14 @@ def test_relay_cancels_a_waiting_generation_when_its_client_goes(json_bundle):
     finally:
         release.set()
         state.service.stop()
+
+
+def test_cluster_without_ray_says_which_extra_to_install(capsys, monkeypatch, json_bundle):
+    import sys
+
+    for name in [m for m in sys.modules if m == "ray" or m.startswith(("ray.",
+                                                                         "dspark.runtime.cluster."))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "ray", None)  # what a missing package looks like
+    result = run_dsrun(capsys, "cluster", "--model", json_bundle)
+    assert result.code == 2 and "pip install 'dspark[cluster]'" in result.err

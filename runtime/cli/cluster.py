@@ -51,6 +51,8 @@ def cluster(model: Path, replicas, autoscale, address, host, port, cpus_per_repl
     if replicas is not None and autoscale is not None:
         raise click.UsageError("give --replicas or --autoscale, not both")
     try:
+        import ray.serve  # noqa: F401 - the optional extra, imported lazily everywhere else
+
         from dspark.runtime.cluster.launch import Cluster, run_until_signal
     except ImportError as e:
         raise DSparkError(f"dsrun cluster needs Ray Serve: pip install 'dspark[cluster]' "
