@@ -62,7 +62,7 @@ def _check_lossless(bundle_path, main_path, prompts, eos=frozenset(), max_tokens
         # reference's by ~1e-6, so more than one in a batch points at a real difference
         assert len(forks) <= MAX_FORKS, (policy, window, method, forks)
         report += [f"{policy} window {window} spec {spec}: {f}" for f in forks]
-        assert engine.arena.free_blocks == bundle.plan.num_blocks  # every block came back
+        assert engine.arena.free_blocks == engine.plan.num_blocks  # every block came back
         if spec:
             assert sum(s.stats.draft_tokens for s in seqs) > 0
         if spec and method != "draft":  # the lookup proposed and was verified
@@ -113,7 +113,7 @@ def test_eos_inside_an_accepted_draft_run(self_bundle):
     # the EOS round verified all 8 drafts (EOS the 4th): the output was cut inside the run
     rounds = (j - 1) // 9 + 1
     assert seq.stats.draft_tokens == seq.stats.accepted_tokens == 8 * rounds
-    assert engine.arena.free_blocks == bundle.plan.num_blocks
+    assert engine.arena.free_blocks == engine.plan.num_blocks
 
 
 def test_cancel_while_waiting_mid_prefill_and_mid_draft(fixture_pairs, compiled):
@@ -146,7 +146,7 @@ def test_cancel_while_waiting_mid_prefill_and_mid_draft(fixture_pairs, compiled)
     for seq in (prefill, waiting, drafting):
         assert seq.finish_reason == "cancelled"
         assert seq.id not in engine.arena.tables and seq.id not in engine.drafting.states
-    assert engine.arena.free_blocks == bundle.plan.num_blocks and not engine.scheduler.reserved
+    assert engine.arena.free_blocks == engine.plan.num_blocks and not engine.scheduler.reserved
 
 
 def test_arena_grows_under_a_live_sequence(fixture_pairs, tmp_path):

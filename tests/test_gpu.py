@@ -56,4 +56,4 @@ def test_engine_on_cuda_is_lossless(fixture_pairs, compiled, pair):
     original = OriginalModel(fixture_pairs[pair][0])
     for p, seq in zip(prompts, seqs):
         assert seq.generated == original.greedy(p, 48)
-    assert engine.arena.free_blocks == bundle.plan.num_blocks
+    assert engine.arena.free_blocks == engine.plan.num_blocks

@@ -38,7 +38,7 @@ def generate(bundle, prompts, max_tokens, **engine_kwargs):
     engine = Engine(bundle, "fixed", 4, max_batch=4, config=ZEROING, **engine_kwargs)
     seqs = engine.generate([GenerationRequest(tuple(p), max_tokens, method="draft")
                             for p in prompts])
-    assert engine.arena.free_blocks == bundle.plan.num_blocks
+    assert engine.arena.free_blocks == engine.plan.num_blocks
     return engine, seqs
 
 

@@ -57,7 +57,7 @@ def _run(bundle, tokenizer, book, requests, **engine_kwargs):
     engine = Engine(bundle, eos_ids=tuple(tokenizer.eos_ids), decode=tokenizer.decode,
                     grammars=book, max_batch=len(requests), **engine_kwargs)
     seqs = engine.generate(requests)
-    assert engine.arena.free_blocks == bundle.plan.num_blocks
+    assert engine.arena.free_blocks == engine.plan.num_blocks
     return seqs
 
 

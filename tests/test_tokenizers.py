@@ -171,7 +171,7 @@ def test_mapped_draft_at_the_exact_length_limit_in_a_small_arena(mapped, tmp_pat
                for n in (1, 4, 9, 16, 23)]
     params = SamplingParams(temperature=0.8, seed=3) if sampled else SamplingParams(0.0)
     engine = Engine(bundle, "fixed", 4, max_batch=5)
-    assert bundle.plan.num_blocks * bundle.plan.block_size < 5 * 48  # not all at once
+    assert engine.plan.num_blocks * engine.plan.block_size < 5 * 48  # not all at once
     seqs = engine.generate([GenerationRequest(tuple(p), 48 - len(p), params, method="draft")
                             for p in prompts])
     original = OriginalModel(mapped["main"])
@@ -181,4 +181,4 @@ def test_mapped_draft_at_the_exact_length_limit_in_a_small_arena(mapped, tmp_pat
             assert seq.generated == original.greedy(p, 48 - len(p))
     assert engine.drafting.model.room_stalls > 0
     assert sum(s.stats.accepted_tokens for s in seqs) > 0
-    assert engine.arena.free_blocks == bundle.plan.num_blocks and not engine.scheduler.reserved
+    assert engine.arena.free_blocks == engine.plan.num_blocks and not engine.scheduler.reserved

@@ -95,6 +95,24 @@ def resized(plan: MemoryPlan, max_seq_len: int) -> MemoryPlan:
                       max(plan.budget_bytes, offset), tuple(pools))
 
 
+def without_pools(plan: MemoryPlan, roles: frozenset[str]) -> MemoryPlan:
+    """The plan without the pools of `roles` (drafts that read the main's KV cache and so
+    never write their own), their bytes given to the others: more blocks, same budget."""
+    kept = [p for p in plan.pools if p.role not in roles]
+    if len(kept) == len(plan.pools) or not kept:
+        return plan
+    blocks = max(plan.num_blocks, plan.budget_bytes // (
+        sum(p.bytes_per_token for p in kept) * plan.block_size))
+    pools, offset = [], 0
+    for p in kept:
+        layer_bytes = p.layer_bytes // plan.num_blocks * blocks
+        pools.append(PoolLayout(p.role, p.num_layers, p.num_kv_heads, p.head_dim, p.dtype,
+                                p.bytes_per_token, offset, layer_bytes))
+        offset += 2 * p.num_layers * layer_bytes
+    return MemoryPlan(plan.block_size, blocks, plan.max_seq_len,
+                      blocks // plan.blocks_per_seq, plan.budget_bytes, tuple(pools))
+
+
 def plan_memory(specs: list[ModelSpec], budget_bytes: int, block_size: int,
                 max_seq_len: int) -> MemoryPlan:
     """Size the arena for a byte budget; refuse a budget that cannot hold one full sequence."""

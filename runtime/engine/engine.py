@@ -19,7 +19,7 @@ import numpy as np
 
 from dspark.runtime.bundle.bundle import Bundle
 from dspark.runtime.bundle.config import DFlashConfig
-from dspark.runtime.bundle.memory_plan import MemoryPlan
+from dspark.runtime.bundle.memory_plan import MemoryPlan, without_pools
 from dspark.runtime.cache.kv_arena import KVArena
 from dspark.runtime.dflash.che import CacheHealth
 from dspark.runtime.dflash.ras import ResourceManager, probe_device
@@ -66,10 +66,11 @@ class Engine:
         self.config: DFlashConfig = config or bundle.config
         self.costs = CostModel()
         self.device = resolve_device(device)
-        self.arena = KVArena(bundle.plan, device=self.device)
+        self.shared_kv = shared_kv_roles(bundle, self.config.drafting.share_main_kv)
+        plan = without_pools(bundle.plan, self.shared_kv)  # their bytes: more main blocks
+        self.arena = KVArena(plan, device=self.device)
         self.arena.zero_rejected = self.config.cache_health.zero_rejected_slots
         self.main = ModelRunner(bundle, "main", self.arena, self.costs, kernels=kernels)
-        self.shared_kv = shared_kv_roles(bundle, self.config.drafting.share_main_kv)
         self.draft_models = {r: ModelRunner(bundle, r, self.arena, self.costs, kernels=kernels,
                                             pool="main" if r in self.shared_kv else None)
                              for r in bundle.draft_models}
@@ -77,7 +78,7 @@ class Engine:
                                          bundle.draft_models)
         self.vocab_size = bundle.model("main").vocab_size
         self.balancer = VerifyBalancer(self.config.verify_balance, self.costs)
-        self.scheduler = Scheduler(bundle.plan, self.config, max_batch, prefill_tokens)
+        self.scheduler = Scheduler(plan, self.config, max_batch, prefill_tokens)
         self.planner = WindowPlanner(self.config, self.costs, self.resources, self.balancer,
                                      bool(self.draft_models), policy or (
                                          "fixed" if window else None), window)
