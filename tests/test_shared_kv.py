@@ -75,3 +75,18 @@ def test_shared_cache_sampling_runs(self_draft):
                                 sampling=SamplingParams(temperature=0.8, seed=3))
     [seq] = engine.generate([request])
     assert len(seq.generated) == 24 and seq.stats.accepted_tokens > 0
+
+
+def test_a_shared_draft_gets_no_pool_and_the_main_gets_its_bytes(self_draft):
+    """Sharing, the draft never writes a cache of its own: the engine's plan drops its pool
+    and, within the bundle's budget, gives the main twice the blocks (same geometry)."""
+    path = self_draft[1]
+    bundle = open_bundle(path)
+    shared, own = _engine(path, True), _engine(path, False)
+    assert [p.role for p in own.plan.pools] == ["main", "draft"]
+    assert own.plan == bundle.plan
+    assert [p.role for p in shared.plan.pools] == ["main"]
+    assert shared.plan.num_blocks >= 2 * bundle.plan.num_blocks
+    assert shared.plan.total_bytes <= bundle.plan.budget_bytes
+    assert shared.arena.buffer.numel() == shared.plan.total_bytes
+    assert shared.plan.max_seqs >= 2 * bundle.plan.max_seqs
