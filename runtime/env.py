@@ -19,6 +19,8 @@ class RuntimeEnv:
     cache_dir: str  # where samples and fixtures cache build outputs
     debug: bool  # show tracebacks of internal errors
     api_key: str | None  # DSPARK_API_KEY: the server's bearer token when --api-key is not given
+    cpu_op: bool  # DSPARK_CPU_OP=0: run CPU models as segments, not one session with our op
+    cc: str  # CC: the C compiler that builds the CPU op
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -39,7 +41,9 @@ def read_env() -> RuntimeEnv:
     cache_dir = os.environ.get("DSPARK_CACHE", os.path.join(os.getcwd(), "build"))
     debug = os.environ.get("DSPARK_DEBUG", "") not in ("", "0")
     return RuntimeEnv(threads=threads, cache_dir=cache_dir, debug=debug,
-                      api_key=os.environ.get("DSPARK_API_KEY") or None)
+                      api_key=os.environ.get("DSPARK_API_KEY") or None,
+                      cpu_op=os.environ.get("DSPARK_CPU_OP", "1") != "0",
+                      cc=os.environ.get("CC") or "cc")
 
 
 def kernel_cache_dir() -> str:

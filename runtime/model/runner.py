@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
+import torch
 
+from dspark.kernels.cpu_op import op_library
 from dspark.kernels.library import KernelLibrary, for_device
 from dspark.runtime.bundle.bundle import Bundle
 from dspark.runtime.cache.kv_arena import KVArena
-from dspark.runtime.env import kernel_cache_dir
+from dspark.runtime.env import kernel_cache_dir, read_env
 from dspark.runtime.model.batch import FlatBatch, SeqChunk
 from dspark.runtime.model.costs import CostModel
 from dspark.runtime.model.executor import SegmentedModel
+from dspark.runtime.model.fused import FusedModel
 from dspark.runtime.model.kernel_attention import KernelAttention
 from dspark.runtime.model.paged_attention import PagedAttention
+
+log = logging.getLogger("dspark.runtime")
 
 
 def kernel_library(bundle: Bundle, role: str, arena: KVArena) -> KernelLibrary:
@@ -24,12 +30,27 @@ def kernel_library(bundle: Bundle, role: str, arena: KVArena) -> KernelLibrary:
                       bundle.kernels, bundle.root)
 
 
+def cpu_model(bundle: Bundle, role: str, arena: KVArena, pool: str
+              ) -> FusedModel | SegmentedModel:
+    """One session with the CPU op inside when it can (float32 arena, the op built, not
+    turned off by DSPARK_CPU_OP=0), else the segments with the numpy/numba attention."""
+    env = read_env()
+    float32 = arena.pools[pool].k[0].dtype == torch.float32
+    library = op_library(kernel_cache_dir(), env.cc) if env.cpu_op and float32 else None
+    if library is not None and library.path is not None:
+        return FusedModel(bundle, role, arena, pool, library.path)
+    why = ("DSPARK_CPU_OP=0" if not env.cpu_op else "a non-float32 KV cache" if not float32
+           else library.reason)
+    log.info("%s runs as segments: %s", role, why)
+    return SegmentedModel(bundle, role, PagedAttention(arena, pool))
+
+
 class ModelRunner:
     def __init__(self, bundle: Bundle, role: str, arena: KVArena, costs: CostModel | None = None,
                  pool: str | None = None, kernels: bool = False):
-        """The arena's device decides the executor: onnxruntime on the CPU with the numpy
-        attention, or the CUDA executor with the DSpark kernels. `kernels` on the CPU runs
-        those kernels under Triton's interpreter instead of the numpy attention (tests)."""
+        """The arena's device decides the executor: onnxruntime on the CPU (one session with
+        the CPU op, see cpu_model), or the CUDA executor with the DSpark kernels. `kernels`
+        on the CPU runs those kernels under Triton's interpreter instead (tests)."""
         self.role = role
         self.pool = pool or role
         self.arena = arena
@@ -43,7 +64,7 @@ class ModelRunner:
             attention = KernelAttention(arena, self.pool, kernel_library(bundle, role, arena))
             self.model = SegmentedModel(bundle, role, attention)
         else:
-            self.model = SegmentedModel(bundle, role, PagedAttention(arena, self.pool))
+            self.model = cpu_model(bundle, role, arena, self.pool)
         self.busy_s = 0.0
         self.forwards = 0
         self.tokens = 0

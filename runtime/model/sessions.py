@@ -43,10 +43,12 @@ def init_threads() -> bool:
 
 def make_session(path: str | Path | bytes, level: str = "all", optimized_path: Path | None = None,
                  config: dict[str, str] | None = None, providers: list | None = None,
-                 profile_prefix: str | None = None) -> ort.InferenceSession:
+                 profile_prefix: str | None = None, custom_ops: Path | None = None
+                 ) -> ort.InferenceSession:
     """A session on the shared pool (`level`: none, basic or all graph optimization);
     `path` may also be a serialized model. `providers` default to the CPU's.
-    `profile_prefix`: write onnxruntime's per-op profile there (end_profiling() names it)."""
+    `profile_prefix`: write onnxruntime's per-op profile there (end_profiling() names it).
+    `custom_ops`: a shared library of custom ops to register (kernels/cpu_op.py)."""
     shared = init_threads()
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -61,6 +63,8 @@ def make_session(path: str | Path | bytes, level: str = "all", optimized_path: P
         so.profile_file_prefix = profile_prefix
     if optimized_path is not None:
         so.optimized_model_filepath = str(optimized_path)
+    if custom_ops is not None:
+        so.register_custom_ops_library(str(custom_ops))
     for key, value in (config or {}).items():
         so.add_session_config_entry(key, value)
     model = path if isinstance(path, bytes) else str(path)

@@ -5,8 +5,10 @@ part by part on the CPU executor:
 
     feeds | segment 0 (embeddings .. layer 0 q/k/v) | layer segments | last segment (LM head)
           | attention (SpeculativeVerify between segments) | glue (what is left of forward)
-then the same steps on a second set of sessions with onnxruntime's profiler on, for each op
-type's share of kernel time; and the weight bytes a step reads, for the GB/s it reaches.
+or, for a model run as one session with the CPU op inside (fused.py), feeds | the session |
+glue; then the same steps on a second set of sessions with onnxruntime's profiler on, for
+each op type's share of kernel time (SpeculativeVerify among them when it is inside); and
+the weight bytes a step reads, for the GB/s it reaches.
 The engine's own cost per token (scheduling, sampling, acceptance, emitting) is a plain
 generation's wall time less its forwards.
 """
@@ -25,6 +27,7 @@ import onnx
 
 from dspark.runtime.model.batch import FlatBatch, SeqChunk
 from dspark.runtime.model.executor import SegmentedModel
+from dspark.runtime.model.fused import FusedModel
 from dspark.runtime.model.runner import ModelRunner
 
 SEQ = -100  # below the warm-up probes' ids; no request gets it
@@ -76,7 +79,7 @@ def _step(runner: ModelRunner, model, context: int, n: int, clock: Laps | None) 
 
 
 def _timed(runner: ModelRunner, context: int, n: int, repeats: int) -> dict:
-    cpu = isinstance(runner.model, SegmentedModel)
+    cpu = isinstance(runner.model, (SegmentedModel, FusedModel))
     rows = []
     for _ in range(repeats):
         laps = Laps() if cpu else None
@@ -84,7 +87,11 @@ def _timed(runner: ModelRunner, context: int, n: int, repeats: int) -> dict:
         rows.append((total, laps))
     ms = lambda xs: round(1000 * statistics.median(xs), 3)  # noqa: E731
     out = {"tokens": n, "total_ms": ms([t for t, _ in rows])}
-    if cpu:
+    if isinstance(runner.model, FusedModel):
+        out.update(feeds_ms=ms([laps.parts["feeds"][0] for _, laps in rows]),
+                   session_ms=ms([laps.parts["segment"][0] for _, laps in rows]))
+        out["glue_ms"] = round(max(0.0, out["total_ms"] - out["feeds_ms"] - out["session_ms"]), 3)
+    elif cpu:
         seg = [laps.parts["segment"] for _, laps in rows]
         out.update(
             feeds_ms=ms([laps.parts["feeds"][0] for _, laps in rows]),
@@ -106,8 +113,12 @@ def _op_shares(runner: ModelRunner, bundle, context: int, sizes: tuple[int, ...]
     shares = {}
     with tempfile.TemporaryDirectory(prefix="dsrun-profile-") as tmp:
         for n in sizes:
-            model = SegmentedModel(bundle, runner.role, runner.model.attention,
-                                   profile_prefix=str(Path(tmp) / f"n{n}"))
+            prefix = str(Path(tmp) / f"n{n}")
+            model = (FusedModel(bundle, runner.role, runner.arena, runner.pool,
+                                runner.model.library, profile_prefix=prefix)
+                     if isinstance(runner.model, FusedModel) else
+                     SegmentedModel(bundle, runner.role, runner.model.attention,
+                                    profile_prefix=prefix))
             for _ in range(repeats + WARM):
                 _step(runner, model, context, n, None)
             kernel: Counter = Counter()
@@ -156,10 +167,15 @@ def profile_engine(engine, context: int = 100, verify_tokens: int = 5, repeats: 
                 _timed(runner, context, 1, 2)
             steps = {"decode": _timed(runner, context, 1, repeats),
                      "verify": _timed(runner, context, verify_tokens, repeats)}
-            report = {"weight_bytes": weight_bytes(runner, bundle), "steps": steps}
+            report = {"weight_bytes": weight_bytes(runner, bundle), "steps": steps,
+                      "executor": ("one onnxruntime session, SpeculativeVerify inside"
+                                   if isinstance(runner.model, FusedModel) else
+                                   f"{len(runner.model.sessions)} onnxruntime segments"
+                                   if isinstance(runner.model, SegmentedModel) else
+                                   type(runner.model).__name__)}
             for step in steps.values():
                 step["gb_per_s"] = round(report["weight_bytes"] / step["total_ms"] / 1e6, 2)
-            if ops and isinstance(runner.model, SegmentedModel):
+            if ops and isinstance(runner.model, (SegmentedModel, FusedModel)):
                 shares = _op_shares(runner, bundle, context, (1, verify_tokens),
                                     max(5, repeats // 2))
                 report["op_shares"] = {"decode": shares[1], "verify": shares[verify_tokens]}
@@ -173,10 +189,14 @@ def profile_engine(engine, context: int = 100, verify_tokens: int = 5, repeats: 
 def format_profile(p: dict) -> str:
     lines = [f"profile at a cached context of {p['context']} tokens, median of {p['repeats']}"]
     for role, m in p["models"].items():
-        lines.append(f"  {role}: {m['weight_bytes'] / 1e6:.1f} MB of weights per forward")
+        lines.append(f"  {role}: {m['weight_bytes'] / 1e6:.1f} MB of weights per forward, "
+                     f"{m['executor']}")
         for name, s in m["steps"].items():
             parts = ""
-            if "attention_ms" in s:
+            if "session_ms" in s:
+                parts = (f" = feeds {s['feeds_ms']:.2f} + one session (attention inside) "
+                         f"{s['session_ms']:.2f} + glue {s['glue_ms']:.2f}")
+            elif "attention_ms" in s:
                 parts = (f" = feeds {s['feeds_ms']:.2f} + segment 0 {s['first_segment_ms']:.2f}"
                          f" + layers {s['layer_segments_ms']:.2f} + last {s['last_segment_ms']:.2f}"
                          f" + attention {s['attention_ms']:.2f} + glue {s['glue_ms']:.2f}")

@@ -1,0 +1,129 @@
+"""A CPU model as one onnxruntime session, its SpeculativeVerify nodes run by our custom op.
+
+The bundle's whole graph (ModelSpec.graph_file) with each SpeculativeVerify node given the
+arena and the batch's block tables as extra inputs:
+
+    SpeculativeVerify(q, k, v, k_pool[layer], v_pool[layer], tables, starts, qoffs, news)
+The pools are bound to the arena's own memory (zero copy; the op appends to them in place),
+rebound only when the arena grows. So a step is one run() and no Python between layers: the
+segmented executor (executor.py) hands each of ~31 segments to onnxruntime's pool and runs
+the attention in between on one thread, which cost a SmolLM2 decode step 3 ms of 22.
+
+Float32 arenas only (the op's arithmetic); anything else stays on the segments.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from dspark.runtime.bundle.bundle import Bundle
+from dspark.runtime.bundle.spec import INPUT_IDS, LOGITS, LOGITS_INDEX, POSITION_IDS, VERIFY_OP
+from dspark.runtime.cache.kv_arena import KVArena
+from dspark.runtime.model.batch import FlatBatch
+from dspark.runtime.model.executor import StepClock
+from dspark.runtime.model.sessions import make_session
+
+TABLES, STARTS, QOFFS, NEWS = "dspark_tables", "dspark_starts", "dspark_qoffs", "dspark_news"
+EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
+_ORT_INT = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
+
+
+def pool_inputs(layer: int) -> tuple[str, str]:
+    return f"dspark_k_pool_{layer}", f"dspark_v_pool_{layer}"
+
+
+def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int]) -> bytes:
+    """The role's whole graph with arena and batch inputs on every SpeculativeVerify node.
+    pool_shape: (kv_heads, block_size, head_dim) of the pool the model reads."""
+    spec = bundle.model(role)
+    model = onnx.load(str(bundle.path(spec.graph_file)), load_external_data=False)
+    graph = model.graph
+    # The compiler's value_info describes the segments' views (rotary's [T, 1, ...]), not
+    # this op's outputs: onnxruntime infers what it needs.
+    del graph.value_info[:]
+    layers = {op.name: op.layer for op in spec.verify_ops}
+    for node in graph.node:
+        if node.op_type == VERIFY_OP:
+            node.input.extend([*pool_inputs(layers[node.name]), TABLES, STARTS, QOFFS, NEWS])
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    for layer in sorted(set(layers.values())):
+        for name in pool_inputs(layer):
+            graph.input.append(helper.make_tensor_value_info(name, f32, ["blocks", *pool_shape]))
+    graph.input.append(helper.make_tensor_value_info(TABLES, i64, ["seqs", "max_blocks"]))
+    for name in (STARTS, QOFFS, NEWS):
+        graph.input.append(helper.make_tensor_value_info(name, i64, ["seqs"]))
+    return model.SerializeToString()
+
+
+class FusedModel:
+    def __init__(self, bundle: Bundle, role: str, arena: KVArena, pool: str, library: Path,
+                 profile_prefix: str | None = None):
+        """`pool`: the arena pool the model's attention reads and writes (a draft that shares
+        the main's cache reads the main's). `library`: kernels/cpu_op.py's build."""
+        self.spec = bundle.model(role)
+        self.arena = arena
+        self.pool = pool
+        self.library = library
+        first = arena.pools[pool].k[0]
+        self.session = make_session(
+            fused_graph(bundle, role, tuple(first.shape[1:])), custom_ops=library,
+            profile_prefix=profile_prefix,
+            config={EXTERNAL_FOLDER: str(bundle.path(self.spec.graph_file).parent)})
+        self.sessions = [self.session]
+        self.layers = sorted({op.layer for op in self.spec.verify_ops})
+        self.input_types = {i.name: _ORT_INT.get(i.type, np.int64)
+                            for i in self.session.get_inputs()
+                            if i.name in (INPUT_IDS, POSITION_IDS)}
+        self.binding = self.session.io_binding()
+        self.generation = -1
+
+    def _bind_pools(self) -> None:
+        pool = self.arena.pools[self.pool]
+        for layer in self.layers:
+            for name, tensor in zip(pool_inputs(layer), (pool.k[layer], pool.v[layer])):
+                self.binding.bind_input(name, "cpu", 0, np.float32, list(tensor.shape),
+                                        tensor.data_ptr())
+        self.generation = self.arena.generation
+
+    def _tables(self, batch: FlatBatch) -> np.ndarray:
+        """[sequences, blocks] arena block of each sequence's logical blocks (reserved by
+        the caller up to its last new token)."""
+        bs = self.arena.block_size
+        counts = -(-(batch.starts + np.diff(batch.cu_seqlens)) // bs)
+        tables = np.zeros((batch.num_seqs, int(counts.max())), np.int64)
+        for i, slot in enumerate(batch.slots):
+            blocks = self.arena.tables[int(slot)].blocks[: int(counts[i])]
+            tables[i, : len(blocks)] = blocks
+        return tables
+
+    def forward(self, batch: FlatBatch, rows: np.ndarray | None = None,
+                clock: StepClock | None = None) -> np.ndarray:
+        """Logits [len(rows), vocab] for the chosen rows (default: every row), as
+        SegmentedModel.forward."""
+        if self.generation != self.arena.generation:  # the arena grew: new buffer
+            self._bind_pools()
+        io, types = self.binding, self.input_types
+        io.bind_cpu_input(INPUT_IDS, batch.token_ids[None].astype(types.get(INPUT_IDS, np.int64)))
+        if POSITION_IDS in types:
+            io.bind_cpu_input(POSITION_IDS,
+                              batch.positions[None].astype(types[POSITION_IDS]))
+        selects = LOGITS_INDEX in self.spec.inputs
+        if selects:
+            io.bind_cpu_input(LOGITS_INDEX, np.arange(batch.num_tokens, dtype=np.int64)
+                              if rows is None else np.asarray(rows, np.int64))
+        io.bind_cpu_input(TABLES, self._tables(batch))
+        io.bind_cpu_input(STARTS, batch.starts.astype(np.int64))
+        io.bind_cpu_input(QOFFS, batch.cu_seqlens[:-1].astype(np.int64))
+        io.bind_cpu_input(NEWS, np.diff(batch.cu_seqlens).astype(np.int64))
+        io.bind_output(LOGITS, "cpu")  # a fresh output each run: its row count varies
+        if clock is not None:
+            clock.lap("feeds")
+        self.session.run_with_iobinding(io)
+        logits = io.copy_outputs_to_cpu()[0][0]
+        if clock is not None:
+            clock.lap("segment")
+        return logits if rows is None or selects else logits[rows]

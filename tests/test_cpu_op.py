@@ -1,0 +1,161 @@
+"""The SpeculativeVerify onnxruntime custom op (kernels/csrc) and the one-session executor.
+
+The op alone, in a one-node graph, against the torch reference the Triton and numba kernels
+are checked with (append, then attend over shuffled block tables, both q/k/v layouts, long
+windows split over onnxruntime's pool); its errors; then every fixture bundle's model run
+as one session against its segments, and the fallbacks when the op cannot be used.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+from test_cpu_kernel import _case
+from test_kernels import GEOMETRIES, _seeded, assert_close
+
+from dspark.kernels.cpu_op import op_library
+from dspark.kernels.verify_attention import verify_attention_reference
+from dspark.runtime.bundle.bundle import open_bundle
+from dspark.runtime.cache.kv_arena import KVArena
+from dspark.runtime.env import kernel_cache_dir, read_env
+from dspark.runtime.model.batch import FlatBatch, SeqChunk
+from dspark.runtime.model.executor import SegmentedModel
+from dspark.runtime.model.fused import FusedModel
+from dspark.runtime.model.paged_attention import PagedAttention
+from dspark.runtime.model.runner import cpu_model
+from dspark.runtime.model.sessions import make_session
+
+from model_fixtures import ARCHS, FORMS
+
+INVALID = ort.capi.onnxruntime_pybind11_state.InvalidArgument
+FEEDS = ("q", "k", "v", "k_pool", "v_pool", "tables", "starts", "qoffs", "news")
+
+
+@pytest.fixture(scope="module")
+def library():
+    built = op_library(kernel_cache_dir(), read_env().cc)
+    assert built.path is not None, built.reason  # the test machines have a C compiler
+    return built.path
+
+
+def _op_session(library, heads: int, kv: int, dim: int, layout: str, **attrs):
+    f, i = TensorProto.FLOAT, TensorProto.INT64
+    inputs = [helper.make_tensor_value_info(n, f, None) for n in FEEDS[:5]]
+    inputs += [helper.make_tensor_value_info(n, i, None) for n in FEEDS[5:]]
+    node = helper.make_node("SpeculativeVerify", list(FEEDS), ["out"], domain="ai.dspark",
+                            num_heads=heads, num_kv_heads=kv, head_dim=dim, scale=dim ** -0.5,
+                            layout=layout, **attrs)
+    graph = helper.make_graph([node], "op", inputs,
+                              [helper.make_tensor_value_info("out", f, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("ai.dspark", 1)])
+    return make_session(model.SerializeToString(), custom_ops=library)
+
+
+def _graph_view(x: np.ndarray, layout: str) -> np.ndarray:
+    """[T, heads, d] as the graph holds it: [1, T, heads*d] or [1, heads, T, d]."""
+    if layout == "tokens":
+        return np.ascontiguousarray(x.reshape(1, x.shape[0], -1))
+    return np.ascontiguousarray(x.transpose(1, 0, 2)[None])
+
+
+@pytest.mark.parametrize("layout", ["tokens", "heads"])
+@pytest.mark.parametrize("news", [[1], [1, 1, 1], [5], [3, 1, 8], [17, 2], [150, 3]])
+@pytest.mark.parametrize("block", [16, 7])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"d{g[0]}h{g[1]}kv{g[2]}")
+def test_op_matches_reference(library, geometry, block, news, layout):
+    """[150, 3] is a prefill-sized window: split in query blocks over the intra-op pool."""
+    dim, heads, kv = geometry
+    rng, _ = _seeded("ort-op", geometry, block, news)
+    q, k, v, k_pool, v_pool, tables, starts, qoffs, lens = _case(rng, heads, kv, dim, block, news)
+    want_k, want_v = k_pool.copy(), v_pool.copy()
+    for s in range(len(news)):
+        for j in range(lens[s]):
+            p = starts[s] + j
+            want_k[tables[s, p // block], :, p % block] = k[qoffs[s] + j]
+            want_v[tables[s, p // block], :, p % block] = v[qoffs[s] + j]
+    sess = _op_session(library, heads, kv, dim, layout)
+    [out] = sess.run(["out"], dict(zip(FEEDS, (
+        _graph_view(q, layout), _graph_view(k, layout), _graph_view(v, layout), k_pool, v_pool,
+        tables, starts, qoffs, lens))))
+    np.testing.assert_array_equal(k_pool, want_k)  # appended in place, in the caller's arrays
+    np.testing.assert_array_equal(v_pool, want_v)
+    t = torch.from_numpy
+    want = verify_attention_reference(t(q), t(want_k), t(want_v), t(tables), t(starts), t(lens),
+                                      t(qoffs), dim ** -0.5)
+    got = out[0] if layout == "tokens" else out[0].transpose(1, 0, 2)
+    assert out.shape == _graph_view(q, layout).shape
+    assert_close(t(np.ascontiguousarray(got)).reshape(q.shape), want, 2e-5)
+
+
+def test_op_rejects_inconsistent_inputs(library):
+    rng, _ = _seeded("ort-op-bad")
+    q, k, v, k_pool, v_pool, tables, starts, qoffs, lens = _case(rng, 4, 2, 16, 16, [3])
+    feeds = dict(zip(FEEDS, (_graph_view(q, "tokens"), _graph_view(k, "tokens"),
+                             _graph_view(v, "tokens"), k_pool, v_pool, tables, starts, qoffs,
+                             lens)))
+    wrong_heads = _op_session(library, 8, 2, 16, "tokens")
+    with pytest.raises(INVALID,
+                       match="SpeculativeVerify: q/k/v, the pools or the tables"):
+        wrong_heads.run(["out"], feeds)
+    sess = _op_session(library, 4, 2, 16, "tokens")
+    before = k_pool.copy()
+    with pytest.raises(INVALID, match="out of range"):
+        sess.run(["out"], {**feeds, "tables": np.full_like(tables, 10_000)})
+    with pytest.raises(INVALID, match="out of range"):
+        sess.run(["out"], {**feeds, "news": lens + 1})  # more rows than the batch has
+    np.testing.assert_array_equal(k_pool, before)  # nothing written out of place
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.RuntimeException,
+                       match="num_heads a multiple of num_kv_heads"):
+        _op_session(library, 6, 4, 16, "tokens")  # refused when the session is created
+
+
+def _step_logits(model, arena: KVArena, pool: str, chunks: list[SeqChunk]) -> np.ndarray:
+    for c in chunks:
+        arena.reserve(c.slot, pool, c.start, len(c.tokens))
+    return model.forward(FlatBatch.build(chunks)).copy()
+
+
+@pytest.mark.parametrize("role", ["main", "draft"])
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_session_matches_segments(compiled, library, arch, form, role):
+    """Every fixture architecture and export form: a prefill, then a batch of a decode and a
+    verify window, through the one session and through the segments, each over its own
+    arena from the same start. The logits agree and so do the caches they wrote."""
+    bundle = open_bundle(compiled[(arch, form)])
+    spec = bundle.model(role)
+    runs = []
+    for fused in (True, False):
+        arena = KVArena(bundle.plan)
+        pool = role if role in arena.pools else "main"  # a draft may read the main's cache
+        model = (FusedModel(bundle, role, arena, pool, library) if fused
+                 else SegmentedModel(bundle, role, PagedAttention(arena, pool)))
+        rng = np.random.default_rng(7)
+        ids = lambda n, r=rng: tuple(int(x) for x in r.integers(3, spec.vocab_size, n))  # noqa: E731
+        for seq in (1, 2):
+            arena.add_sequence(seq)
+        first = _step_logits(model, arena, pool, [SeqChunk(1, 0, ids(21)),
+                                                  SeqChunk(2, 0, ids(9))])
+        second = _step_logits(model, arena, pool, [SeqChunk(1, 21, ids(1)),
+                                                   SeqChunk(2, 9, ids(5))])
+        runs.append((first, second, arena.pools[pool].k[-1].clone()))
+    for got, want in zip(runs[0], runs[1]):
+        assert_close(torch.as_tensor(got), torch.as_tensor(want), 1e-3)
+
+
+def test_fallbacks_to_segments(compiled, monkeypatch):
+    """No compiler, or the op turned off: the segments."""
+    bundle = open_bundle(next(iter(compiled.values())))
+    arena = KVArena(bundle.plan)
+    assert isinstance(cpu_model(bundle, "main", arena, "main"), FusedModel)
+    missing = op_library(kernel_cache_dir(), "/nonexistent/cc")
+    assert missing.path is None and "no C compiler" in missing.reason
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert isinstance(cpu_model(bundle, "main", arena, "main"), SegmentedModel)
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("DSPARK_CPU_OP", "0")
+    assert isinstance(cpu_model(bundle, "main", arena, "main"), SegmentedModel)
