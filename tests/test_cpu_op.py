@@ -91,6 +91,16 @@ def test_op_matches_reference(library, geometry, block, news, layout):
     assert_close(t(np.ascontiguousarray(got)).reshape(q.shape), want, 2e-5)
 
 
+def test_loading_the_op_leaves_the_process_floating_point_state(library):
+    """A library built with -ffast-math turns on flush-to-zero for the whole process when it
+    loads (crtfastmath.o): subnormals would vanish from every computation."""
+    import sys
+
+    _op_session(library, 4, 2, 16, "tokens")
+    assert sys.float_info.min / 2 > 0
+    assert np.float32(1e-38) / np.float32(100) > 0
+
+
 def test_op_rejects_inconsistent_inputs(library):
     rng, _ = _seeded("ort-op-bad")
     q, k, v, k_pool, v_pool, tables, starts, qoffs, lens = _case(rng, 4, 2, 16, 16, [3])

@@ -137,20 +137,27 @@ def test_commands_rerun_with_glibc_malloc_tunables(given, opt_out, expect):
     assert out == expect
 
 
-def test_bench_profile_accounts_for_the_step(capsys, compiled):
-    """--profile splits a decode and a verify step into parts that add up to the step."""
+@pytest.mark.parametrize("segments", [False, True], ids=["one-session", "segments"])
+def test_bench_profile_accounts_for_the_step(capsys, compiled, monkeypatch, segments):
+    """--profile splits a decode and a verify step into parts that add up to the step: the
+    one session (attention inside) or, with the CPU op off, the segments and the attention."""
+    if segments:
+        monkeypatch.setenv("DSPARK_CPU_OP", "0")
     r = run_dsrun(capsys, "bench", "--model", compiled[("llama", "classic")], "--profile",
                   "--repeats", "1", "--json")
     assert r.code == 0, r.err
     report = json.loads(r.out)
     assert set(report["models"]) == {"main", "draft"}
+    keys = (("feeds_ms", "first_segment_ms", "layer_segments_ms", "last_segment_ms",
+             "attention_ms", "glue_ms") if segments else ("feeds_ms", "session_ms", "glue_ms"))
     for model in report["models"].values():
         assert model["weight_bytes"] > 0
+        assert ("segments" in model["executor"]) == segments
         for step in model["steps"].values():
-            parts = sum(step[k] for k in ("feeds_ms", "first_segment_ms", "layer_segments_ms",
-                                          "last_segment_ms", "attention_ms", "glue_ms"))
+            parts = sum(step[k] for k in keys)
             assert parts == pytest.approx(step["total_ms"], rel=0.4)
-            assert step["attention_ms"] > 0 and step["gb_per_s"] > 0
+            assert step[keys[-2]] > 0 and step["gb_per_s"] > 0
         ops = model["op_shares"]["decode"]
         assert ops["ops"]["MatMul"] > 0 and 0 < ops["kernel_ms"] <= ops["run_ms"]
+        assert ("SpeculativeVerify" in ops["ops"]) != segments  # the op runs inside
     assert report["engine"]["tokens"] > 0 and report["engine"]["engine_ms_per_token"] >= 0

@@ -11,6 +11,7 @@ from pathlib import Path
 import onnx
 
 from dspark.compiler.contract import InputContract
+from dspark.runtime.bundle.spec import VERIFY_DOMAIN
 from dspark.runtime.errors import ModelInputError
 from dspark.runtime.model.sessions import make_session
 
@@ -28,7 +29,13 @@ def optimize(contract: InputContract, workdir: Path, role: str) -> Path:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelInputError(f"{contract.path}: onnxruntime cannot load it: {first}") from None
     inferred = workdir / f"{role}.inferred.onnx"
-    onnx.save(infer_types(out), str(inferred))
+    model = infer_types(out)
+    # onnxruntime lists every domain it knows in the model it writes, ours too (version 1000)
+    # once this process has registered the CPU op: the bundle must not depend on that.
+    kept = [o for o in model.opset_import if o.domain != VERIFY_DOMAIN]
+    del model.opset_import[:]
+    model.opset_import.extend(kept)
+    onnx.save(model, str(inferred))
     return inferred
 
 

@@ -13,7 +13,8 @@
               in place (bound by the runtime; onnxruntime never allocates or reuses them)
             5 tables [S, max_blocks], 6 starts [S], 7 qoffs [S], 8 news [S]  (int64)
    output   0 out [1,T,H*d] ("tokens") or [1,H,T,d] ("heads")
-   attrs    num_heads, num_kv_heads, head_dim (int), scale (float), layout ("tokens"|"heads")
+   attrs    num_heads, num_kv_heads, head_dim (int), scale (float), layout ("tokens"|"heads",
+            default "heads")
    The same contract as kernels/cpu_verify.py and the Triton kernel; the runtime's tests
    compare all of them. Work is split by (sequence, KV head[, query block]) over
    onnxruntime's intra-op pool (OrtApi KernelContext_ParallelFor).
@@ -269,7 +270,6 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, const void *api,
   char layout[16] = {0};
   size_t size = sizeof(layout);
   if (k == NULL) return error("SpeculativeVerify: out of memory");
-  k->tokens_layout = 1;
   if (!ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_INT64, IntAttr)(info, "num_heads", &k->heads)) ||
       !ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_INT64, IntAttr)(info, "num_kv_heads", &k->kv_heads)) ||
       !ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_INT64, IntAttr)(info, "head_dim", &k->dim)) ||
@@ -280,7 +280,7 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, const void *api,
                  "(num_heads a multiple of num_kv_heads)");
   }
   if (ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_STRING, StrAttr)(info, "layout", layout, &size)))
-    k->tokens_layout = strcmp(layout, "heads") != 0;
+    k->tokens_layout = strcmp(layout, "tokens") == 0; /* absent: "heads", as exported */
   *kernel = k;
   return NULL;
 }

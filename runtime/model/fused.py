@@ -45,12 +45,21 @@ def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int]) -> 
     # The compiler's value_info describes the segments' views (rotary's [T, 1, ...]), not
     # this op's outputs: onnxruntime infers what it needs.
     del graph.value_info[:]
-    layers = {op.name: op.layer for op in spec.verify_ops}
+    ops = {op.name: op for op in spec.verify_ops}
     for node in graph.node:
         if node.op_type == VERIFY_OP:
-            node.input.extend([*pool_inputs(layers[node.name]), TABLES, STARTS, QOFFS, NEWS])
+            op = ops[node.name]
+            node.input.extend([*pool_inputs(op.layer), TABLES, STARTS, QOFFS, NEWS])
+            # the manifest's layout is the one the runtime honours (absent: "heads")
+            del node.attribute[:]
+            node.attribute.extend([
+                helper.make_attribute("num_heads", op.num_heads),
+                helper.make_attribute("num_kv_heads", op.num_kv_heads),
+                helper.make_attribute("head_dim", op.head_dim),
+                helper.make_attribute("scale", float(op.scale)),
+                helper.make_attribute("layout", op.layout)])
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
-    for layer in sorted(set(layers.values())):
+    for layer in sorted({op.layer for op in spec.verify_ops}):
         for name in pool_inputs(layer):
             graph.input.append(helper.make_tensor_value_info(name, f32, ["blocks", *pool_shape]))
     graph.input.append(helper.make_tensor_value_info(TABLES, i64, ["seqs", "max_blocks"]))
