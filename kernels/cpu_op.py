@@ -1,4 +1,4 @@
-"""The CPU SpeculativeVerify op for onnxruntime (csrc/speculative_verify.c), built on first use.
+"""The CPU SpeculativeVerify op for onnxruntime (cpu_op.c), built on first use.
 
 With it a CPU model runs as one onnxruntime session with the attention inside
 (runtime/model/fused.py) instead of ~31 sessions with Python attention between them: a
@@ -25,7 +25,7 @@ from pathlib import Path
 
 log = logging.getLogger("dspark.kernels")
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "speculative_verify.c"
+SOURCE = Path(__file__).resolve().with_suffix(".c")
 # Reassociation lets the dot products vectorise. Not -ffast-math: linked into a shared
 # library it adds crtfastmath.o, whose constructor turns on flush-to-zero for the whole
 # process when the library loads (hypothesis caught numpy's subnormals vanishing).

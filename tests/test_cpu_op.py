@@ -1,4 +1,4 @@
-"""The SpeculativeVerify onnxruntime custom op (kernels/csrc) and the one-session executor.
+"""The SpeculativeVerify onnxruntime custom op (kernels/cpu_op.c) and the one-session executor.
 
 The op alone, in a one-node graph, against the torch reference the Triton and numba kernels
 are checked with (append, then attend over shuffled block tables, both q/k/v layouts, long

@@ -12,7 +12,7 @@ from dspark.runtime.drafting.hybrid import HybridDrafter
 from dspark.runtime.drafting.lookup import LookupDrafter, MatchStats
 from dspark.runtime.drafting.ngram_index import NgramIndex
 from dspark.runtime.drafting.state import DraftState, settle
-from dspark.runtime.model.costs import CostModel
+from dspark.runtime.model.costs import DRAFT_STEP, CostModel
 from dspark.runtime.sequence.request import GenerationRequest, Sequence
 
 
@@ -159,6 +159,25 @@ def test_hybrid_drafts_with_a_cheap_model_and_prefers_a_strong_lookup():
     model.cached_len = len(repeated.tokens)
     used = hybrid.propose([(repeated, "hybrid", 2, 8)], keep=lambda s, j: True)
     assert used == ["lookup"] and hybrid.state(repeated).tokens[:3] == [5, 6, 7]
+
+
+def test_drafts_after_the_first_are_charged_their_own_cost():
+    """A round's first draft forward follows a main forward and costs more than the ones
+    after it: once both are measured, a window is priced first + (w - 1) steps, and a
+    cheaper step makes a longer model window pay."""
+    costs = _costs(draft_ms=8.0)
+    chooser = SourceChooser(DraftingConfig(), costs)
+    seq = _seq(list(range(10, 20)))
+    assert costs.draft_step() == costs.seconds("draft", 1)  # unmeasured: the first's
+    before = chooser.extension(seq.id, [], 6, seq.stats, 1)
+    for _ in range(40):
+        costs.record(DRAFT_STEP, 1, 0.002)
+    assert costs.draft_step() == pytest.approx(0.002, rel=1e-3)
+    t_main = costs.seconds("main", 4)
+    assert chooser.rate([], 3, seq.stats, 1) == pytest.approx(
+        (1 + chooser._model_survival(seq.stats, 3)) / (costs.seconds("draft", 2) + 2 * 0.002
+                                                       + t_main))
+    assert chooser.extension(seq.id, [], 6, seq.stats, 1) > before
 
 
 def test_model_catch_up_is_spread_over_the_output_left():

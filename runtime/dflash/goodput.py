@@ -57,11 +57,11 @@ class GoodputWindow:
 
     def _round_time(self, drafted: int) -> float | None:
         n = self.batch
-        t_draft = self.costs.seconds("draft", n, n)
+        t_first, t_step = self.costs.seconds("draft", n, n), self.costs.draft_step(n, n)
         t_verify = self.costs.seconds("main", n * (drafted + 1), n)
-        if t_draft is None or t_verify is None:
+        if t_first is None or t_step is None or t_verify is None:
             return None
-        return drafted * t_draft + t_verify
+        return (t_first + (drafted - 1) * t_step if drafted else 0.0) + t_verify
 
     def _improves(self, expected: float, next_a: float, drafted: int) -> bool:
         """Does a draft beyond `drafted` (worth `next_a`) raise tokens per second of the

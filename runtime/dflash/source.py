@@ -5,8 +5,9 @@ Every source is scored by expected tokens per second of the round, from measured
 
     plain            1 token for t_main(1)
     lookup, k        1 + sum_j a_j tokens for t_main(k + 1)           (drafting is free)
-    model, w         1 + sum_j b_j tokens for t_draft(c + 1) + (w - 1) t_draft(1) + t_main(w + 1)
-                     (c: tokens the draft model must catch up on first)
+    model, w         1 + sum_j b_j tokens for t_draft(c + 1) + (w - 1) t_step + t_main(w + 1)
+                     (c: tokens the draft model must catch up on first; t_step: a draft
+                     forward after the round's first, costs.py)
 
 a_j is the lookup's survival to draft j (the product of its step confidences, calibrated
 per sequence by what was accepted), b_j the model's measured survival to position j on
@@ -109,7 +110,7 @@ class SourceChooser:
         t_main = self.costs.seconds("main", len(survivals) + extra + 1)
         t_draft = 0.0
         if extra:
-            first, step = self.costs.seconds("draft", behind + 1), self.costs.seconds("draft", 1)
+            first, step = self.costs.seconds("draft", behind + 1), self.costs.draft_step()
             if first is None or step is None:
                 return None
             t_draft = first + (extra - 1) * step + overhead

@@ -27,6 +27,7 @@ import numpy as np
 from dspark.runtime.bundle.token_map import TokenMap
 from dspark.runtime.cache.kv_arena import KVArena
 from dspark.runtime.drafting.base import DraftWork
+from dspark.runtime.model.costs import DRAFT_STEP
 from dspark.runtime.model.runner import ModelRunner
 from dspark.runtime.sequence.request import Sequence
 from dspark.runtime.sequence.sampling import probabilities, sample
@@ -113,6 +114,7 @@ class ModelDrafter:
         token map the draft reads main tokens translated to its ids (expansions can run
         ahead of the main's positions, up to the sequence's room)."""
         active = [w for w in work if w.window > len(w.state)]
+        role = None  # the round's first forward: the "draft" cost row (see costs.py)
         while active:
             chunks, rows, fed, live = [], [], [], []
             for w in active:
@@ -133,7 +135,8 @@ class ModelDrafter:
                 live.append(w)
             if not live:
                 return
-            logits = runner.forward(chunks, rows)
+            logits = runner.forward(chunks, rows, role)
+            role = DRAFT_STEP
             for w, pieces, out, row in zip(live, fed, logits, rows):
                 cache = self.caches[w.seq.id]
                 for p in pieces:

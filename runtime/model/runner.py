@@ -69,10 +69,11 @@ class ModelRunner:
         self.forwards = 0
         self.tokens = 0
 
-    def forward(self, chunks: list[tuple[int, int, list[int]]], rows: list[int]
-                ) -> list[np.ndarray]:
+    def forward(self, chunks: list[tuple[int, int, list[int]]], rows: list[int],
+                cost_role: str | None = None) -> list[np.ndarray]:
         """chunks: (seq_id, start, tokens); returns the last `rows[i]` logits of each (a
-        chunk with 0 rows only fills the cache)."""
+        chunk with 0 rows only fills the cache). `cost_role`: the cost table row to record
+        the time in (default: main or draft by the model's role)."""
         t0 = time.perf_counter()
         for seq_id, start, tokens in chunks:
             self.arena.reserve(seq_id, self.pool, start, len(tokens))
@@ -85,8 +86,8 @@ class ModelRunner:
         self.forwards += 1
         self.tokens += batch.num_tokens
         if self.costs is not None:
-            self.costs.record("main" if self.role == "main" else "draft", batch.num_tokens,
-                              elapsed, batch.num_seqs)
+            role = cost_role or ("main" if self.role == "main" else "draft")
+            self.costs.record(role, batch.num_tokens, elapsed, batch.num_seqs)
         if not len(index):
             return [logits[:0]] * len(chunks)
         return np.split(logits, np.cumsum(rows)[:-1])
