@@ -24,6 +24,13 @@ from dspark.runtime.model.sessions import make_session
 _ORT_INT = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
 
 
+def id_input_types(sessions) -> dict[str, type]:
+    """The integer type (int64 unless the graph says int32) of the input_ids and
+    position_ids the sessions take."""
+    return {i.name: _ORT_INT.get(i.type, np.int64) for s in sessions for i in s.get_inputs()
+            if i.name in (INPUT_IDS, POSITION_IDS)}
+
+
 class AttentionBackend(Protocol):
     """q [T, heads, dim], k/v [T, kv_heads, dim] -> [T, heads, dim] (see layout.py)."""
 
@@ -50,10 +57,7 @@ class SegmentedModel:
             self.ops_after[op.after_segment].append(op)
         self.steps = [(sess, list(seg.outputs), list(seg.inputs), self.ops_after[seg.index])
                       for seg, sess in zip(self.spec.segments, self.sessions)]
-        self.input_types = {
-            i.name: _ORT_INT.get(i.type, np.int64) for s in self.sessions for i in s.get_inputs()
-            if i.name in (INPUT_IDS, POSITION_IDS)
-        }
+        self.input_types = id_input_types(self.sessions)
 
     def forward(self, batch: FlatBatch, rows: np.ndarray | None = None,
                 clock: StepClock | None = None) -> np.ndarray:

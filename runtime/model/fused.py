@@ -24,12 +24,11 @@ from dspark.runtime.bundle.bundle import Bundle
 from dspark.runtime.bundle.spec import INPUT_IDS, LOGITS, LOGITS_INDEX, POSITION_IDS, VERIFY_OP
 from dspark.runtime.cache.kv_arena import KVArena
 from dspark.runtime.model.batch import FlatBatch
-from dspark.runtime.model.executor import StepClock
+from dspark.runtime.model.executor import StepClock, id_input_types
 from dspark.runtime.model.sessions import make_session
 
 TABLES, STARTS, QOFFS, NEWS = "dspark_tables", "dspark_starts", "dspark_qoffs", "dspark_news"
 EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
-_ORT_INT = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
 
 
 def pool_inputs(layer: int) -> tuple[str, str]:
@@ -84,9 +83,7 @@ class FusedModel:
             config={EXTERNAL_FOLDER: str(bundle.path(self.spec.graph_file).parent)})
         self.sessions = [self.session]
         self.layers = sorted({op.layer for op in self.spec.verify_ops})
-        self.input_types = {i.name: _ORT_INT.get(i.type, np.int64)
-                            for i in self.session.get_inputs()
-                            if i.name in (INPUT_IDS, POSITION_IDS)}
+        self.input_types = id_input_types(self.sessions)
         self.binding = self.session.io_binding()
         self.generation = -1
 
