@@ -157,6 +157,19 @@ def test_one_session_matches_segments(compiled, library, arch, form, role):
         assert_close(torch.as_tensor(got), torch.as_tensor(want), 1e-3)
 
 
+def test_build_falls_back_when_the_vector_math_library_is_missing(monkeypatch, tmp_path):
+    """Where the first build cannot link (no libmvec), the plain one still gives an op."""
+    from dspark.kernels import cpu_op
+
+    fast, plain = cpu_op.BUILDS
+    monkeypatch.setattr(cpu_op, "BUILDS", ((fast[0], fast[1], ("-lno-such-library",)), plain))
+    built = op_library(str(tmp_path), read_env().cc)
+    assert built.path is not None and built.path.parent == tmp_path, built.reason
+    monkeypatch.setattr(cpu_op, "BUILDS", ((fast[0], fast[1], ("-lno-such-library",)),))
+    failed = op_library(str(tmp_path / "none"), read_env().cc)
+    assert failed.path is None and "no-such-library" in failed.reason
+
+
 def test_fallbacks_to_segments(compiled, monkeypatch):
     """No compiler, or the op turned off: the segments."""
     bundle = open_bundle(next(iter(compiled.values())))
