@@ -89,6 +89,19 @@ def _costs():
     return costs
 
 
+def test_cost_table_keeps_a_verify_window_as_measured():
+    """A 3-token verify that costs 21.5 ms is not recorded as 2/3 of it in the 2-token row
+    (it once priced a 3-token verify below a 1-token decode); prefill sizes still bucket."""
+    costs = CostModel()
+    for tokens, ms in ((1, 19.5), (3, 21.5), (5, 23.0), (100, 400.0)):
+        costs.record("main", tokens, ms / 1000)
+    assert costs.seconds("main", 3) == pytest.approx(0.0215)
+    assert costs.seconds("main", 1) < costs.seconds("main", 2) < costs.seconds("main", 3)
+    assert costs.seconds("main", 2) == pytest.approx(0.0205)
+    assert costs.seconds("main", 4) == pytest.approx(0.02225)
+    assert costs.seconds("main", 64) == pytest.approx(0.256)  # 100 tokens scaled into 64's
+
+
 def test_goodput_selects_slots_by_survival():
     costs = _costs()
     # nearly sure drafts are all worth verifying; improbable ones are not
@@ -118,6 +131,17 @@ def test_vlb_lanes_follow_utilisation():
     assert vlb.utilisation > 0.85 and vlb.admit(6) == 1  # fast lane only, the rest held
     vlb.config = VerifyBalanceConfig(low_utilisation=0.1, high_utilisation=1.0)
     assert vlb.admit(6) == 3  # mid utilisation: fast lane + steady_tokens_mid (2)
+
+
+def test_vlb_utilisation_is_not_one_noisy_neighbour():
+    """One slow 4-token entry beside a 3-token one is noise, not a compute-bound verify:
+    the steady lane stays open."""
+    costs = CostModel()
+    for tokens, ms in ((1, 19.5), (2, 20.3), (3, 21.0), (4, 30.0), (5, 23.0), (8, 26.0)):
+        costs.record("main", tokens, ms / 1000)
+    vlb = VerifyBalancer(VerifyBalanceConfig(), costs)
+    vlb.observe(3, 0.021)
+    assert vlb.utilisation < 0.6 and vlb.admit(4) == 4
 
 
 def test_vlb_batch_cap_turns_speculation_off_under_load():

@@ -3,6 +3,7 @@ the hybrid's choice of source (fake costs stand in for measured ones)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dspark.runtime.bundle.config import DraftingConfig, LookupConfig
@@ -10,6 +11,7 @@ from dspark.runtime.dflash.source import MARGIN, SourceChooser
 from dspark.runtime.drafting.base import DraftWork
 from dspark.runtime.drafting.hybrid import HybridDrafter
 from dspark.runtime.drafting.lookup import LookupDrafter, MatchStats
+from dspark.runtime.drafting.model import ModelDrafter
 from dspark.runtime.drafting.ngram_index import NgramIndex
 from dspark.runtime.drafting.state import DraftState, settle
 from dspark.runtime.model.costs import DRAFT_STEP, CostModel
@@ -70,6 +72,46 @@ def test_settle_keeps_exactly_the_drafts_still_right(verified, accepted, main, p
 
 def _seq(ids, seq_id=1, tenant="default", max_tokens=64):
     return Sequence(seq_id, GenerationRequest(tuple(ids), max_tokens, tenant=tenant))
+
+
+class FakeRunner:
+    """A draft model's runner: records its forwards, always predicts token 7."""
+
+    pool = "draft"
+
+    def __init__(self):
+        self.chunks = []
+
+    def forward(self, chunks, rows, cost_role=None):
+        self.chunks.append(chunks)
+        logits = np.zeros((sum(rows), 16), np.float32)
+        logits[:, 7] = 1.0
+        return np.split(logits, np.cumsum(rows)[:-1])
+
+
+class FakeArena:
+    def rollback(self, seq_id, pool, length):
+        pass
+
+
+def test_model_drafter_rereads_the_last_token_when_dropped_drafts_were_all_it_lacked():
+    """The draft read the sequence and its pending lookup drafts, then the hybrid dropped
+    those drafts (the model alone promised more): its cache holds every token, yet drafting
+    needs the last one's logits. It re-reads that token (once a timing-dependent crash:
+    "a batch needs at least one token per sequence")."""
+    runner = FakeRunner()
+    drafter = ModelDrafter({"draft": runner}, FakeArena(), "draft", {}, lambda: 64,
+                           lambda seq: 1000)
+    seq, state = _seq(list(range(1, 11))), DraftState()
+    state.add(11, "lookup")
+    state.add(12, "lookup")
+    drafter.propose([DraftWork(seq, state, 3)])
+    assert runner.chunks[-1] == [(seq.id, 0, list(range(1, 13)))] and state.tokens[-1] == 7
+    state.clear()
+    drafter.trim(seq, len(seq.tokens))
+    drafter.propose([DraftWork(seq, state, 2)])
+    assert runner.chunks[-2] == [(seq.id, 9, [10])]
+    assert runner.chunks[-1] == [(seq.id, 10, [7])] and state.tokens == [7, 7]
 
 
 def test_lookup_proposes_from_the_context_and_stops_at_low_survival():
@@ -204,25 +246,44 @@ def test_plain_rate_must_be_beaten_by_the_margin():
 
 
 def test_model_speed_is_judged_against_plain_rounds_realized_speed():
-    """Plain and model rounds both realize 70% of their predicted rate (costs that leave out
-    the engine's own work): the model keeps drafting. Only a model that falls short of what
-    plain rounds realize loses to plain."""
+    """Plain and model rounds both take 1/0.7 of their predicted time (costs that leave out
+    the engine's own work): the model keeps drafting. Only a model whose rounds fall short
+    of their prediction by more than plain rounds do loses to plain."""
     chooser = SourceChooser(DraftingConfig(), _costs(draft_ms=8.0))
     seq = _seq([1])
     plain, model = chooser.rate([]), chooser.rate([], 2, seq.stats, 1)
     assert model > MARGIN * plain  # the model pays on the table's costs
+    t_plain, t_model = chooser.seconds(0), chooser.seconds(0, 2, 1)
     for _ in range(20):
-        chooser.expect(seq.id, plain, "plain")
-        chooser.observe_round(seq.id, 7, 10 / plain)
-        chooser.expect(seq.id, model, "model")
-        chooser.observe_round(seq.id, 7, 10 / model)
+        chooser.expect(seq.id, t_plain, "plain")
+        chooser.observe_round(seq.id, t_plain / 0.7)
+        chooser.expect(seq.id, t_model, "model")
+        chooser.observe_round(seq.id, t_model / 0.7)
     assert chooser.state(seq.id).relative_speed() == pytest.approx(1.0)
     assert chooser.extension(seq.id, [], 4, seq.stats, behind=1) > 0
-    for _ in range(20):  # model rounds now realize half of what plain rounds do
-        chooser.expect(seq.id, model, "model")
-        chooser.observe_round(seq.id, 35, 100 / model)
+    for _ in range(20):  # model rounds now take twice as long as plain rounds' shortfall
+        chooser.expect(seq.id, t_model, "model")
+        chooser.observe_round(seq.id, t_model / 0.35)
     assert chooser.state(seq.id).relative_speed() == pytest.approx(0.5, rel=0.05)
     assert chooser.extension(seq.id, [], 4, seq.stats, behind=1) == 0
+
+
+def test_untried_positions_follow_the_sequences_own_acceptance():
+    """A draft whose first token held 19 times in 20 (only windows of 1 so far) is expected
+    to hold its third and fourth as a chain of such tokens, not at a fixed 0.7^j, so the
+    chooser tries a longer window; a draft that mostly fails is not."""
+    chooser = SourceChooser(DraftingConfig(), _costs(draft_ms=4.0))
+    strong, weak = _seq([1]), _seq([1], seq_id=2)
+    for i in range(20):
+        strong.stats.record_sources(["draft"], int(i > 0))
+        weak.stats.record_sources(["draft"], int(i % 4 == 0))
+    b = [chooser._model_survival(strong.stats, w) - chooser._model_survival(strong.stats, w - 1)
+         for w in range(1, 5)]
+    assert b[0] == pytest.approx((19 + 2 * 0.7) / 22)
+    assert b[3] == pytest.approx(b[0] ** 4) and b[3] > 0.7
+    assert chooser._model_survival(weak.stats, 4) < 0.5
+    assert chooser.extension(strong.id, [], 4, strong.stats, behind=1) == 4
+    assert chooser.extension(weak.id, [], 4, weak.stats, behind=1) <= 1
 
 
 @pytest.mark.parametrize(("trust", "used"), [(0.3, "lookup"), (1.0, "draft")])

@@ -11,15 +11,19 @@ Every source is scored by expected tokens per second of the round, from measured
 
 a_j is the lookup's survival to draft j (the product of its step confidences, calibrated
 per sequence by what was accepted), b_j the model's measured survival to position j on
-this sequence (prior PRIOR_ACCEPT^j, worth PRIOR_WEIGHT rounds). A source must beat plain
-decoding by MARGIN. A source that loses is re-measured every `explore_every` plain rounds
-with one cheap round.
+this sequence (prior: the position before it times the first draft's measured acceptance,
+worth PRIOR_WEIGHT rounds). A source must beat plain decoding by MARGIN. A source that
+loses is re-measured every `explore_every` plain rounds with one cheap round.
 
-The costs leave out the engine's own per-round work and drift with the context, so realized
-rates fall short of predicted ones: for model rounds and for plain rounds alike, each
-tracked as realized / predicted. The model is scored by its own ratio relative to plain's;
+The costs leave out the engine's own per-round work and drift with the context, so rounds
+take longer than predicted: for model rounds and for plain rounds alike, each tracked as
+predicted / realized seconds. The model is scored by its own ratio relative to plain's;
 scoring it by its own alone charged it for what plain decoding pays too, and on a CPU (a
-ratio of ~0.75 for both) turned most rounds plain when the model was 10-25% faster.
+ratio of ~0.75 for both) turned most rounds plain when the model was 10-25% faster. Seconds,
+not tokens per second: a round's tokens are luck the survivals already model, and a ratio of
+realized to predicted rates swung with every rejected draft (a window-1 round realizes 1 or
+2 tokens): a few unlucky rounds turned the model off for a sequence where drafting paid
+(chat prompts: 60 tok/s against 62 for a fixed window, code 68 against 76).
 """
 
 from __future__ import annotations
@@ -41,11 +45,11 @@ SMOOTHING = 0.2
 class SourceState:
     calibration: dict[str, float] = field(default_factory=dict)  # observed / predicted, EWMA
     idle_rounds: int = 0  # rounds since the model was last tried
-    speed: dict[str, float] = field(default_factory=dict)  # realized / predicted, per kind
-    predicted: tuple[str, float] | None = None  # this round's kind and predicted rate
+    speed: dict[str, float] = field(default_factory=dict)  # predicted / realized seconds
+    predicted: tuple[str, float] | None = None  # this round's kind and predicted seconds
 
     def relative_speed(self) -> float:
-        """The model rounds' realized / predicted ratio over plain rounds' (1 until both
+        """The model rounds' predicted / realized seconds over plain rounds' (1 until both
         are measured)."""
         model, plain = self.speed.get("model"), self.speed.get("plain")
         return 1.0 if model is None or plain is None else model / plain
@@ -78,18 +82,18 @@ class SourceChooser:
         ratio = (accepted + 0.5) / (predicted + 0.5)
         cal[source] = min(1.5, max(0.2, old + SMOOTHING * (old * ratio - old)))
 
-    def expect(self, seq_id: int, rate: float | None, kind: str = "model") -> None:
-        """This round is a `kind` round (model or plain), chosen for `rate` tokens/s."""
-        self.state(seq_id).predicted = None if rate is None else (kind, rate)
+    def expect(self, seq_id: int, seconds: float | None, kind: str = "model") -> None:
+        """This round is a `kind` round (model or plain), predicted to take `seconds`."""
+        self.state(seq_id).predicted = None if seconds is None else (kind, seconds)
 
-    def observe_round(self, seq_id: int, tokens: int, seconds: float) -> None:
-        """A round's realized tokens and seconds: what the cost model left out (context
-        length, catch-up chunks, the engine's own work) shows as realized / predicted for
-        its kind of round."""
+    def observe_round(self, seq_id: int, seconds: float) -> None:
+        """A round's realized seconds: what the cost model left out (context length,
+        catch-up chunks, the engine's own work) shows as predicted / realized for its kind
+        of round."""
         state = self.state(seq_id)
         if state.predicted and seconds > 0:
             kind, predicted = state.predicted
-            ratio = (tokens / seconds) / predicted
+            ratio = predicted / seconds
             old = state.speed.get(kind)
             new = ratio if old is None else old + SMOOTHING * (ratio - old)
             state.speed[kind] = min(1.5, max(0.3, new))
@@ -107,28 +111,46 @@ class SourceChooser:
         plus `extra` model drafts after them, the model first reading the `behind` tokens
         it has not seen; None while a needed cost is unmeasured. With nothing pending and
         no extra this is plain decoding's rate."""
-        t_main = self.costs.seconds("main", len(survivals) + extra + 1)
+        seconds = self.seconds(len(survivals), extra, behind, overhead)
+        if seconds is None:
+            return None
+        last = survivals[-1] if survivals else 1.0
+        return (1 + sum(survivals) + last * self._model_survival(stats, extra)) / seconds
+
+    def seconds(self, pending: int, extra: int = 0, behind: int = 0,
+                overhead: float = 0.0) -> float | None:
+        """The predicted time of such a round (see rate); None while a cost is unmeasured."""
+        t_main = self.costs.seconds("main", pending + extra + 1)
         t_draft = 0.0
         if extra:
             first, step = self.costs.seconds("draft", behind + 1), self.costs.draft_step()
             if first is None or step is None:
                 return None
             t_draft = first + (extra - 1) * step + overhead
-        if t_main is None:
-            return None
-        last = survivals[-1] if survivals else 1.0
-        return (1 + sum(survivals) + last * self._model_survival(stats, extra)) / (
-            t_draft + t_main)
+        return None if t_main is None else t_draft + t_main
 
     @staticmethod
     def _model_survival(stats: SeqStats | None, extra: int) -> float:
-        """sum_{j<=extra} b_j: the model's measured survival per position on this sequence."""
+        """sum_{j<=extra} b_j: the model's measured survival per position on this sequence.
+        Each position's prior (worth PRIOR_WEIGHT rounds) is the one before it times the
+        sequence's first-draft acceptance (Leviathan's i.i.d. alpha), so positions rarely
+        verified are judged by how the drafts go here: a fixed PRIOR_ACCEPT^j (0.34 at the
+        third draft) kept a draft whose first token held 92% of the time from ever trying a
+        third (code prompts: windows of 1-2 where 4 paid 15% more)."""
         src = stats.sources.get("draft") if stats is not None else None
-        total = 0.0
+        drafted_at = src.drafted_at if src else []
+        accepted_at = src.accepted_at if src else []
+
+        def measured(j: int, prior: float) -> float:
+            drafted = drafted_at[j] if len(drafted_at) > j else 0
+            accepted = accepted_at[j] if len(accepted_at) > j else 0
+            return (accepted + PRIOR_WEIGHT * prior) / (drafted + PRIOR_WEIGHT)
+
+        alpha = measured(0, PRIOR_ACCEPT) if extra else 0.0
+        total, b = 0.0, 1.0
         for j in range(extra):
-            drafted = src.drafted_at[j] if src and len(src.drafted_at) > j else 0
-            accepted = src.accepted_at[j] if src and len(src.accepted_at) > j else 0
-            total += (accepted + PRIOR_WEIGHT * PRIOR_ACCEPT ** (j + 1)) / (drafted + PRIOR_WEIGHT)
+            b = alpha if j == 0 else measured(j, b * alpha)
+            total += b
         return total
 
     def catch_up(self, behind: int, left: int, stats: SeqStats, once: bool = True

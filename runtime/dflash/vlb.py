@@ -10,7 +10,8 @@ What "utilisation" means on a CPU: the engine thread is busy whenever any reques
 a busy fraction reads ~1 at any load. What matters is whether the verify forward is still
 streaming weights (extra tokens nearly free) or computing (each token costs its share), so
 u is the verify's marginal cost per token over its average cost per token at the current
-verify size, from the measured cost table: ~0.1 for one request, -> 1 when compute-bound.
+verify size, from the measured cost table (a slope fitted around that size): ~0.1 for one
+request, -> 1 when compute-bound.
 
 Beyond the seed, the balancer also caps the window of the whole batch by what pays at its
 size: n requests drafting w tokens each, every token surviving with the measured rate a,
@@ -53,14 +54,25 @@ class VerifyBalancer:
 
     @property
     def utilisation(self) -> float:
-        t, tokens = self.costs.seconds, self.verify_tokens
+        """The verify's marginal cost per token over its average at the current size. The
+        marginal cost is the least-squares slope of the measured sizes from the power of two
+        at or below that size up to twice it (at least 8): between neighbouring sizes (the
+        cost table keeps each small size apart) one noisy entry, e.g. 3 tokens 21 ms and 4
+        tokens 30, read as compute-bound, admitted only the first draft, and a table that
+        then only measured 2-token verifies never corrected it."""
+        tokens = self.verify_tokens
         measured = self.costs.table.get("main") or {}
-        if not measured or tokens + 1 > max(measured):  # no evidence of saturation there
+        lo = 1 << (tokens.bit_length() - 1)
+        hi = max(2 * lo, 8)
+        points = [(n, t) for n, t in measured.items() if lo <= n <= hi]
+        now = self.costs.seconds("main", tokens)
+        if len(points) < 2 or hi > max(measured) or not now:  # no evidence of saturation
             return 0.0
-        now, more = t("main", tokens), t("main", tokens + 1)
-        if now <= 0:
-            return 0.0
-        return max(0.0, min(1.0, (more - now) * tokens / now))
+        mx = sum(n for n, _ in points) / len(points)
+        my = sum(t for _, t in points) / len(points)
+        marginal = sum((n - mx) * (t - my) for n, t in points) / sum(
+            (n - mx) ** 2 for n, _ in points)
+        return max(0.0, min(1.0, marginal * tokens / now))
 
     def batch_cap(self, drafting: int, wanted: int) -> int:
         """The window (0..wanted) that maximises tokens per second for `drafting`

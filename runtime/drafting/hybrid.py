@@ -103,9 +103,9 @@ class HybridDrafter:
             chosen = ([], 1, behind)
         survivals, extra, read = chosen
         if extra and (lag <= STEADY_BEHIND or read_prompt):  # a prompt catch-up says little
-            choose.expect(seq.id, choose.rate(survivals, extra, seq.stats, read, overhead))
+            choose.expect(seq.id, choose.seconds(len(survivals), extra, read, overhead))
         elif not extra and not survivals:
-            choose.expect(seq.id, choose.rate([]), "plain")
+            choose.expect(seq.id, choose.seconds(0), "plain")
         return extra
 
     def force(self, seq: Sequence, tokens: list[int]) -> None:
@@ -137,7 +137,7 @@ class HybridDrafter:
         """Verification's outcome: statistics per source, calibration, drafters' caches.
         `old_len`: the sequence's length before this round's tokens were appended;
         `seconds`: the round's drafting and verify time."""
-        self.chooser.observe_round(seq.id, accepted + 1, seconds)
+        self.chooser.observe_round(seq.id, seconds)
         st = self.state(seq)
         sources = st.sources[:verified]
         survivals = self.survivals(seq, verified)

@@ -122,6 +122,8 @@ class ModelDrafter:
                 if cache.role in self.shared:
                     _read_main(cache, w.seq.main_cached)
                 behind = w.seq.tokens + w.state.tokens
+                if cache.cached >= len(behind):  # all read (pending drafts it read were
+                    self.trim(w.seq, len(behind) - 1)  # dropped): re-read the last token
                 feed = behind[cache.cached:cache.cached + self.catch_up()]
                 pieces = [tmap.pieces(t) for t in feed] if tmap else [[t] for t in feed]
                 width = sum(len(p) for p in pieces)

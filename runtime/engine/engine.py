@@ -288,8 +288,10 @@ class Engine:
                     "--max-seq-len)", param="max_length", code="max_length_exceeded")
         return self.scheduler.resize(max_seq_len, self.arena)
 
-    def warmup(self, main_sizes=(1, 2, 4, 8, 16, 32, 64), draft_sizes=(1, 2, 4, 8, 16)) -> dict:
-        """Profile every model (model/profile.py): the cost table the policies read."""
+    def warmup(self, main_sizes=(*range(1, 10), 16, 32, 64), draft_sizes=(1, 2, 3, 4, 8, 16)
+               ) -> dict:
+        """Profile every model (model/profile.py): the cost table the policies read (every
+        verify size of a window up to 8 drafts: the table keeps them apart, costs.py)."""
         limit = self.plan.max_seq_len
         return warmup(self.arena, self.costs,
                       {"main": [self.main], "draft": list(self.draft_models.values())},
