@@ -12,8 +12,8 @@ starts at `window.initial`; on a device whose row starts elsewhere (the seed's t
 4, A100 6, H100 8) every rule's window scales by row / initial, so the same rules serve a
 slow CPU (row 2: 2, 3-4, 2) and a fast GPU (row 8: 8, 12-16, 6).
 
-These windows are the draft method's. A hybrid round (the default method) is sized by the
-hybrid's cost model within the caps instead (engine/planner.py).
+For the hybrid method (the CPU default) the window is the most the model may draft; the
+hybrid's cost model decides how many it does (engine/planner.py).
 """
 
 from __future__ import annotations

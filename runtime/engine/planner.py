@@ -3,11 +3,10 @@
     plan      method (request, else config; hybrid means lookup on a draftless bundle),
               model window = the tenant's window policy within every cap, lowered by VLB's
               batch cap; lookup cap = the lookup's max within the request/tenant caps.
-              A hybrid slot under the dflash policy gets the cap itself: the hybrid's
-              SourceChooser prices every model window from measured costs and this
-              sequence's acceptance, and DWC's rules (a late window of 2 on a 2-core CPU)
-              kept it from the 3-4 drafts that paid on code prompts (1.41x -> 1.46x of
-              plain, interleaved runs); fixed and goodput windows stay as they decide.
+              A hybrid slot's model window is the most the hybrid may draft; its cost
+              model picks how many (0 included). Offering it the whole cap instead (DWC's
+              late window is 2 on a 2-core CPU) measured code 1.46x -> 1.48-1.54x of plain
+              but edit 1.55x -> 1.47-1.51x (interleaved, 2 runs): DWC's windows stay.
     balance   VLB's fast + steady lanes; then, where the policy models survival (goodput) or
               a lookup proposed, the slots across the batch that maximise expected tokens
               per second of the verify (select_slots)
@@ -101,9 +100,7 @@ class WindowPlanner:
         for s in drafting:
             method = self.method(s.seq)
             window = 0
-            if method == "hybrid" and self.policy_name == "dflash":
-                window = self.cap(s.seq)  # the hybrid prices every window (see the doc)
-            elif method != "lookup":
+            if method != "lookup":
                 window = min(self.cap(s.seq), self.policy(s.seq.tenant).window(self.view(s.seq)))
             lookup = self.lookup_cap(s.seq) if method != "draft" else 0
             slots[s.seq.id] = s.but(method=method, window=window, lookup=lookup)
