@@ -23,7 +23,7 @@ from dspark.runtime.dflash.policy import RoundView, make_policy
 from dspark.runtime.dflash.reload import ConfigWatcher
 from dspark.runtime.dflash.vlb import VerifyBalancer
 from dspark.runtime.errors import DSparkError
-from dspark.runtime.model.costs import CostModel
+from dspark.runtime.model.costs import AFTER_DRAFT, CostModel
 from dspark.runtime.sequence.stats import SeqStats
 
 
@@ -100,6 +100,11 @@ def test_cost_table_keeps_a_verify_window_as_measured():
     assert costs.seconds("main", 2) == pytest.approx(0.0205)
     assert costs.seconds("main", 4) == pytest.approx(0.02225)
     assert costs.seconds("main", 64) == pytest.approx(0.256)  # 100 tokens scaled into 64's
+    assert costs.after_draft(3) == costs.seconds("main", 3)  # nothing measured after drafts
+    costs.record(AFTER_DRAFT, 3, 0.0222)
+    assert costs.after_draft(3) == pytest.approx(0.0222)
+    assert costs.after_draft(2) == pytest.approx(0.0222)  # below its smallest: that one
+    assert costs.after_draft(5) == costs.seconds("main", 5)  # not extrapolated past it
 
 
 def test_goodput_selects_slots_by_survival():

@@ -160,14 +160,16 @@ def test_benchmark_can_lift_the_device_window_cap(compiled):
 
 def test_first_and_later_draft_forwards_are_costed_apart(compiled):
     """Every round's first draft forward goes to the "draft" row, the ones after it to
-    their own (SourceChooser prices a window as first + steps)."""
-    from dspark.runtime.model.costs import DRAFT_STEP
+    their own, and the verify after them to the main's after-draft row (SourceChooser prices
+    a model window as first + steps + that verify); the prompt stays in "main"."""
+    from dspark.runtime.model.costs import AFTER_DRAFT, DRAFT_STEP
 
     engine = Engine(open_bundle(compiled[("llama", "classic")]), "fixed", 4)
     rows, record = [], engine.costs.record
     engine.costs.record = lambda role, *a: (rows.append(role), record(role, *a))
     engine.generate([GenerationRequest(tuple(range(3, 20)), 24, method="draft")])
-    firsts, steps, mains = (rows.count(r) for r in ("draft", DRAFT_STEP, "main"))
-    assert 0 < firsts <= mains  # at most one first draft forward per round
+    firsts, steps, verifies = (rows.count(r) for r in ("draft", DRAFT_STEP, AFTER_DRAFT))
+    assert 0 < firsts == verifies  # one first draft forward per model round, then its verify
     assert steps >= 2 * firsts  # window 4: up to 3 more each round
-    assert engine.costs.table[DRAFT_STEP]
+    assert rows.count("main") >= 1  # the prompt
+    assert engine.costs.table[DRAFT_STEP] and engine.costs.table[AFTER_DRAFT]

@@ -78,11 +78,12 @@ class FakeRunner:
     """A draft model's runner: records its forwards, always predicts token 7."""
 
     pool = "draft"
+    costs = None
 
     def __init__(self):
         self.chunks = []
 
-    def forward(self, chunks, rows, cost_role=None):
+    def forward(self, chunks, rows, cost_role=None, record=True):
         self.chunks.append(chunks)
         logits = np.zeros((sum(rows), 16), np.float32)
         logits[:, 7] = 1.0
@@ -217,7 +218,7 @@ def test_drafts_after_the_first_are_charged_their_own_cost():
     assert costs.draft_step() == pytest.approx(0.002, rel=1e-3)
     t_main = costs.seconds("main", 4)
     assert chooser.rate([], 3, seq.stats, 1) == pytest.approx(
-        (1 + chooser._model_survival(seq.stats, 3)) / (costs.seconds("draft", 2) + 2 * 0.002
+        (1 + chooser._model_survival(seq.stats, 3)) / (costs.seconds("draft", 1) + 2 * 0.002
                                                        + t_main))
     assert chooser.extension(seq.id, [], 6, seq.stats, 1) > before
 

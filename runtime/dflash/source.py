@@ -5,9 +5,10 @@ Every source is scored by expected tokens per second of the round, from measured
 
     plain            1 token for t_main(1)
     lookup, k        1 + sum_j a_j tokens for t_main(k + 1)           (drafting is free)
-    model, w         1 + sum_j b_j tokens for t_draft(c + 1) + (w - 1) t_step + t_main(w + 1)
-                     (c: tokens the draft model must catch up on first; t_step: a draft
-                     forward after the round's first, costs.py)
+    model, w         1 + sum_j b_j tokens for t_draft(c) + (w - 1) t_step + t_main(w + 1)
+                     (c: tokens the draft model reads in its first forward, at least the
+                     main model's newest one; t_step: a draft forward after the round's
+                     first, costs.py)
 
 a_j is the lookup's survival to draft j (the product of its step confidences, calibrated
 per sequence by what was accepted), b_j the model's measured survival to position j on
@@ -102,9 +103,6 @@ class SourceChooser:
     def forget(self, seq_id: int) -> None:
         self.states.pop(seq_id, None)
 
-    def _t(self, role: str, tokens: int) -> float | None:
-        return self.costs.seconds(role, tokens)
-
     def rate(self, survivals: list[float], extra: int = 0, stats: SeqStats | None = None,
              behind: int = 0, overhead: float = 0.0) -> float | None:
         """Expected tokens per second of a round verifying the pending drafts (survivals)
@@ -120,10 +118,11 @@ class SourceChooser:
     def seconds(self, pending: int, extra: int = 0, behind: int = 0,
                 overhead: float = 0.0) -> float | None:
         """The predicted time of such a round (see rate); None while a cost is unmeasured."""
-        t_main = self.costs.seconds("main", pending + extra + 1)
+        tokens = pending + extra + 1
+        t_main = self.costs.after_draft(tokens) if extra else self.costs.seconds("main", tokens)
         t_draft = 0.0
         if extra:
-            first, step = self.costs.seconds("draft", behind + 1), self.costs.draft_step()
+            first, step = self.costs.seconds("draft", max(1, behind)), self.costs.draft_step()
             if first is None or step is None:
                 return None
             t_draft = first + (extra - 1) * step + overhead

@@ -19,6 +19,7 @@ proposals change (an int4 copy reading fp32 K/V).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -114,7 +115,7 @@ class ModelDrafter:
         token map the draft reads main tokens translated to its ids (expansions can run
         ahead of the main's positions, up to the sequence's room)."""
         active = [w for w in work if w.window > len(w.state)]
-        role = None  # the round's first forward: the "draft" cost row (see costs.py)
+        role = "draft"  # the round's first forward's cost row, then DRAFT_STEP (costs.py)
         while active:
             chunks, rows, fed, live = [], [], [], []
             for w in active:
@@ -137,8 +138,8 @@ class ModelDrafter:
                 live.append(w)
             if not live:
                 return
-            logits = runner.forward(chunks, rows, role)
-            role = DRAFT_STEP
+            t0 = time.perf_counter()
+            logits = runner.forward(chunks, rows, record=False)
             for w, pieces, out, row in zip(live, fed, logits, rows):
                 cache = self.caches[w.seq.id]
                 for p in pieces:
@@ -146,6 +147,10 @@ class ModelDrafter:
                 cache.cached += len(pieces)
                 if not row or not draw(w, out[-1], tmap):
                     w.window = len(w.state)  # catching up, or an unmapped token: stop
+            if runner.costs is not None:  # a draft costs its forward and its draw
+                runner.costs.record(role, sum(len(c[2]) for c in chunks),
+                                    time.perf_counter() - t0, len(chunks))
+            role = DRAFT_STEP
             active = [w for w in live if w.window > len(w.state)
                       and (w.keep is None or w.keep(w.seq, len(w.state)))]
 

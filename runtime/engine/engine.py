@@ -43,7 +43,7 @@ from dspark.runtime.engine.round_plan import RoundPlan, Slot
 from dspark.runtime.engine.scheduler import Scheduler
 from dspark.runtime.errors import RequestError
 from dspark.runtime.grammar.constraint import GrammarBook
-from dspark.runtime.model.costs import CostModel
+from dspark.runtime.model.costs import AFTER_DRAFT, CostModel
 from dspark.runtime.model.device import resolve_device
 from dspark.runtime.model.profile import warmup
 from dspark.runtime.model.runner import ModelRunner
@@ -189,8 +189,9 @@ class Engine:
             chunks.append((seq.id, seq.main_cached, feed + drafts))
             rows.append(s.verify + 1 if s.finishes_prompt else 0)
         self.health.observe_batch([s.seq.id for s in plan])
+        drafted = any("draft" in s.source for s in plan)  # draft forwards ran just before
         t0 = time.perf_counter()
-        logits = self.main.forward(chunks, rows)
+        logits = self.main.forward(chunks, rows, AFTER_DRAFT if drafted else None)
         elapsed = time.perf_counter() - t0
         self.balancer.observe(sum(len(c[2]) for c in chunks), elapsed)
         self.last_verify_ms = 1000 * elapsed

@@ -8,7 +8,12 @@ updates both; a warm-up profile fills the table first.
 
 Draft forwards have two rows: "draft" for a round's first (it follows a main forward, whose
 weights pushed the draft's state out of the caches, and reads any catch-up tokens) and
-DRAFT_STEP for the ones after it. On SmolLM2's int4 draft a one-token first forward took
+DRAFT_STEP for the ones after it. The draft model drafter records them itself, each with the
+drawing of its token from the logits (~0.3 ms on SmolLM2's 49k vocabulary): the cost of a
+draft, not of a forward alone. Likewise a main forward right after draft forwards (their
+weights evicted part of the main's from the caches: SmolLM2, 1-3 tokens, +0.6 ms) records
+into AFTER_DRAFT, which prices the verify of a model round; plain and lookup rounds' verifies
+and prompts stay in "main". On SmolLM2's int4 draft a one-token first forward took
 7.0 ms and a following one 5.8: one row for both overcharged every draft past the first.
 """
 
@@ -18,6 +23,7 @@ import math
 
 SMOOTHING = 0.2
 DRAFT_STEP = "draft_step"
+AFTER_DRAFT = "main_after_draft"
 # Token counts kept as their own rows. A forward's cost is far from proportional to its
 # tokens (SmolLM2 on 2 cores: 1 token 19.5 ms, 3 tokens 21.5): scaled into a power-of-two
 # bucket a 3-token verify was recorded as 2/3 of itself, so a 3-token verify looked cheaper
@@ -27,19 +33,26 @@ EXACT = 16
 
 class CostModel:
     def __init__(self):
-        self.table: dict[str, dict[int, float]] = {"main": {}, "draft": {}, DRAFT_STEP: {}}
+        self.table: dict[str, dict[int, float]] = {}
         self.per_seq: dict[str, float] = {}
+        self.reset()
 
     def reset(self) -> None:
         """Forget the forward-size table (a new profile follows)."""
-        self.table = {"main": {}, "draft": {}, DRAFT_STEP: {}}
+        self.table = {"main": {}, "draft": {}, DRAFT_STEP: {}, AFTER_DRAFT: {}}
 
     def draft_step(self, tokens: int = 1, seqs: int = 1) -> float | None:
         """A draft forward after the round's first: its own row once measured, else the
         first forward's."""
-        if self.table.get(DRAFT_STEP):
-            return self.seconds(DRAFT_STEP, tokens, seqs)
-        return self.seconds("draft", tokens, seqs)
+        return self.seconds(DRAFT_STEP if self.table.get(DRAFT_STEP) else "draft", tokens, seqs)
+
+    def after_draft(self, tokens: int, seqs: int = 1) -> float | None:
+        """A main forward after draft forwards: its own row once it holds this size (or
+        one above it), else the main's."""
+        own = self.table.get(AFTER_DRAFT) or {}
+        if own and max(own) >= tokens:
+            return self.seconds(AFTER_DRAFT, tokens, seqs)
+        return self.seconds("main", tokens, seqs)
 
     def record(self, role: str, tokens: int, seconds: float, seqs: int = 1) -> None:
         if tokens < 1 or seconds <= 0:

@@ -70,10 +70,11 @@ class ModelRunner:
         self.tokens = 0
 
     def forward(self, chunks: list[tuple[int, int, list[int]]], rows: list[int],
-                cost_role: str | None = None) -> list[np.ndarray]:
+                cost_role: str | None = None, record: bool = True) -> list[np.ndarray]:
         """chunks: (seq_id, start, tokens); returns the last `rows[i]` logits of each (a
         chunk with 0 rows only fills the cache). `cost_role`: the cost table row to record
-        the time in (default: main or draft by the model's role)."""
+        the time in (default: main or draft by the model's role); `record=False`: the caller
+        records a time that includes its own work on the logits."""
         t0 = time.perf_counter()
         for seq_id, start, tokens in chunks:
             self.arena.reserve(seq_id, self.pool, start, len(tokens))
@@ -85,7 +86,7 @@ class ModelRunner:
         self.busy_s += elapsed
         self.forwards += 1
         self.tokens += batch.num_tokens
-        if self.costs is not None:
+        if self.costs is not None and record:
             role = cost_role or ("main" if self.role == "main" else "draft")
             self.costs.record(role, batch.num_tokens, elapsed, batch.num_seqs)
         if not len(index):
