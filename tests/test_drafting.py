@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 
 from dspark.runtime.bundle.config import DraftingConfig, LookupConfig
-from dspark.runtime.dflash.source import MARGIN, SourceChooser
+from dspark.runtime.dflash.source import (
+    MARGIN,
+    POSITION_WEIGHT,
+    PRIOR_ACCEPT,
+    PRIOR_WEIGHT,
+    SourceChooser,
+)
 from dspark.runtime.drafting.base import DraftWork
 from dspark.runtime.drafting.hybrid import HybridDrafter
 from dspark.runtime.drafting.lookup import LookupDrafter, MatchStats
@@ -280,11 +286,31 @@ def test_untried_positions_follow_the_sequences_own_acceptance():
         weak.stats.record_sources(["draft"], int(i % 4 == 0))
     b = [chooser._model_survival(strong.stats, w) - chooser._model_survival(strong.stats, w - 1)
          for w in range(1, 5)]
-    assert b[0] == pytest.approx((19 + 2 * 0.7) / 22)
-    assert b[3] == pytest.approx(b[0] ** 4) and b[3] > 0.7
+    alpha = (19 + PRIOR_WEIGHT * PRIOR_ACCEPT) / (20 + PRIOR_WEIGHT)  # pooled over positions
+    assert b[0] == pytest.approx((19 + POSITION_WEIGHT * alpha) / (20 + POSITION_WEIGHT))
+    assert b[3] == pytest.approx(b[0] * alpha ** 3) and b[3] > 0.7
     assert chooser._model_survival(weak.stats, 4) < 0.5
     assert chooser.extension(strong.id, [], 4, strong.stats, behind=1) == 4
     assert chooser.extension(weak.id, [], 4, weak.stats, behind=1) <= 1
+
+
+def test_one_rejection_at_a_rarely_tried_position_does_not_end_its_trials():
+    """40 rounds of two drafts held 90% and 95% of the time they were reached; the one
+    round that tried a third rejected it. Counted among the rounds that reached it (0 of 1,
+    against the pooled acceptance) the third stays likely enough to be tried again where
+    drafts are cheap; per-position survival (0 of 1 verified) priced it at half."""
+    chooser = SourceChooser(DraftingConfig(), _costs(draft_ms=3.0))
+    seq = _seq([1])
+    for i in range(40):
+        first = i % 10 != 0
+        seq.stats.record_sources(["draft", "draft"], (1 + (i % 20 != 1)) if first else 0)
+    seq.stats.record_sources(["draft", "draft", "draft"], 2)
+    src = seq.stats.sources["draft"]
+    assert src.reached_at[:3] == [41, 37, 1] and src.accepted_at[:3] == [37, 35, 0]
+    third = chooser._model_survival(seq.stats, 3) - chooser._model_survival(seq.stats, 2)
+    second = chooser._model_survival(seq.stats, 2) - chooser._model_survival(seq.stats, 1)
+    assert third > 0.65 * second > 0.5  # per-position survival: 0.51, 0.6 of the second
+    assert chooser.extension(seq.id, [], 3, seq.stats, behind=1) == 3
 
 
 @pytest.mark.parametrize(("trust", "used"), [(0.3, "lookup"), (1.0, "draft")])

@@ -11,10 +11,11 @@ Every source is scored by expected tokens per second of the round, from measured
                      first, costs.py)
 
 a_j is the lookup's survival to draft j (the product of its step confidences, calibrated
-per sequence by what was accepted), b_j the model's measured survival to position j on
-this sequence (prior: the position before it times the first draft's measured acceptance,
-worth PRIOR_WEIGHT rounds). A source must beat plain decoding by MARGIN. A source that
-loses is re-measured every `explore_every` plain rounds with one cheap round.
+per sequence by what was accepted), b_j the model's survival to position j on this
+sequence: the product of its acceptance at each position up to j among the rounds that
+reached it, each shrunk toward its acceptance over all positions (_model_survival). A
+source must beat plain decoding by MARGIN. A source that loses is re-measured every
+`explore_every` plain rounds with one cheap round.
 
 The costs leave out the engine's own per-round work and drift with the context, so rounds
 take longer than predicted: for model rounds and for plain rounds alike, each tracked as
@@ -37,6 +38,7 @@ from dspark.runtime.sequence.stats import SeqStats
 
 PRIOR_ACCEPT = 0.7
 PRIOR_WEIGHT = 2.0
+POSITION_WEIGHT = 4.0  # rounds the pooled acceptance is worth at each draft position
 MARGIN = 1.05
 STEADY_BEHIND = 2  # tokens a draft model used every round reads before drafting
 SMOOTHING = 0.2
@@ -130,25 +132,28 @@ class SourceChooser:
 
     @staticmethod
     def _model_survival(stats: SeqStats | None, extra: int) -> float:
-        """sum_{j<=extra} b_j: the model's measured survival per position on this sequence.
-        Each position's prior (worth PRIOR_WEIGHT rounds) is the one before it times the
-        sequence's first-draft acceptance (Leviathan's i.i.d. alpha), so positions rarely
-        verified are judged by how the drafts go here: a fixed PRIOR_ACCEPT^j (0.34 at the
-        third draft) kept a draft whose first token held 92% of the time from ever trying a
-        third (code prompts: windows of 1-2 where 4 paid 15% more)."""
+        """sum_{j<=extra} b_j: the model's survival per position on this sequence,
+        b_j = c_1 ... c_j with c_j the draft's acceptance at position j among the rounds
+        that reached it (every draft before it held), shrunk toward its acceptance pooled
+        over all positions (Leviathan's i.i.d. alpha) by POSITION_WEIGHT rounds.
+
+        Survival measured per position directly (accepted / verified there, prior the
+        position before times alpha, worth PRIOR_WEIGHT rounds) let one rejection at a
+        rarely tried position end the trials there: a draft holding 90% of its first and
+        second tokens over 40 rounds, its third tried once and rejected, priced that third
+        at 0.51 and never tried it again (code prompts: windows of 2 where 3 paid 4-10%).
+        Counted among the rounds that reached it, the same third draft is 0 of 1 tried,
+        which the pooled acceptance outweighs until it is tried again."""
         src = stats.sources.get("draft") if stats is not None else None
-        drafted_at = src.drafted_at if src else []
         accepted_at = src.accepted_at if src else []
-
-        def measured(j: int, prior: float) -> float:
-            drafted = drafted_at[j] if len(drafted_at) > j else 0
-            accepted = accepted_at[j] if len(accepted_at) > j else 0
-            return (accepted + PRIOR_WEIGHT * prior) / (drafted + PRIOR_WEIGHT)
-
-        alpha = measured(0, PRIOR_ACCEPT) if extra else 0.0
+        reached_at = src.reached_at if src else []
+        alpha = (sum(accepted_at) + PRIOR_WEIGHT * PRIOR_ACCEPT) / (
+            sum(reached_at) + PRIOR_WEIGHT)
         total, b = 0.0, 1.0
         for j in range(extra):
-            b = alpha if j == 0 else measured(j, b * alpha)
+            reached = reached_at[j] if len(reached_at) > j else 0
+            accepted = accepted_at[j] if len(accepted_at) > j else 0
+            b *= (accepted + POSITION_WEIGHT * alpha) / (reached + POSITION_WEIGHT)
             total += b
         return total
 

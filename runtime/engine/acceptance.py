@@ -67,8 +67,7 @@ def accept_sampled(drafts: list[int], q, p, rng: np.random.Generator) -> Accepta
             residual[d] = 0.0
         else:
             residual = np.maximum(pi - qi, 0.0)
-        total = residual.sum()
-        token = sample(residual / total if total > 0 else pi, rng)
+        token = sample(residual if residual.sum() > 0 else pi, rng)  # sample() normalises
         return Acceptance(drafts[:i] + [token], i, len(drafts))
     return Acceptance(list(drafts) + [sample(p[len(drafts)], rng)], len(drafts), len(drafts))
 

@@ -11,6 +11,7 @@ class SourceStats:
 
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+    reached_at: list[int] = field(default_factory=list)  # verified with every draft before it held
 
     @property
     def drafted(self) -> int:
@@ -20,12 +21,14 @@ class SourceStats:
     def accepted(self) -> int:
         return sum(self.accepted_at)
 
-    def record(self, position: int, accepted: bool) -> None:
+    def record(self, position: int, accepted: bool, reached: bool = True) -> None:
         while len(self.drafted_at) <= position:
             self.drafted_at.append(0)
             self.accepted_at.append(0)
+            self.reached_at.append(0)
         self.drafted_at[position] += 1
         self.accepted_at[position] += accepted
+        self.reached_at[position] += reached
 
 
 @dataclass
@@ -47,7 +50,7 @@ class SeqStats:
     def record_sources(self, sources: list[str], accepted: int) -> None:
         """The verified drafts' sources, in window order; the first `accepted` held."""
         for i, source in enumerate(sources):
-            self.sources.setdefault(source, SourceStats()).record(i, i < accepted)
+            self.sources.setdefault(source, SourceStats()).record(i, i < accepted, i <= accepted)
 
     def record_method(self, method: str) -> None:
         self.methods[method] = self.methods.get(method, 0) + 1
