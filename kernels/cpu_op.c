@@ -17,7 +17,10 @@
             default "heads")
    The same contract as kernels/cpu_verify.py and the Triton kernel; the runtime's tests
    compare all of them. Work is split by (sequence, KV head[, query block]) over
-   onnxruntime's intra-op pool (OrtApi KernelContext_ParallelFor).
+   onnxruntime's intra-op pool (OrtApi KernelContext_ParallelFor). head_dim 64 with up to 4
+   query heads per KV head (SmolLM2, most Llama-style models) takes attend_fast: 2.2x less
+   work than the generic loops, and prefetched rows (SmolLM2, 200 cached tokens, keys and
+   values evicted by the weights: 66 -> 37 us a layer on one thread).
 
    Only onnxruntime's stable C ABI is used: OrtApi is a table of function pointers that only
    ever grows, so a slot index stays valid in every later release (indices below). */
@@ -235,6 +238,118 @@ static void attend(const Call *c, int64_t s, int64_t g, int64_t j0, int64_t j1, 
   }
 }
 
+/* Rows ahead whose keys and values are prefetched: the pool's 16-row blocks are scattered
+   4 KB runs that the weights evicted, and the hardware prefetcher stops at each run's end. */
+enum { AHEAD = 16 };
+
+static inline void prefetch_rows(const Call *c, const int64_t *table, int64_t g, int64_t i) {
+  const char *k = (const char *)pool_row(c, c->k_pool, table, g, i);
+  const char *v = (const char *)pool_row(c, c->v_pool, table, g, i);
+  for (int64_t x = 0; x < c->dim * (int64_t)sizeof(float); x += 64) {
+    __builtin_prefetch(k + x, 0, 3);
+    __builtin_prefetch(v + x, 0, 2);
+  }
+}
+
+enum { FAST_DIM = 64, FAST_GROUP = 4 };
+
+#if defined(__GNUC__)
+/* head_dim 64, up to 4 query heads per KV head (SmolLM2: 9 heads over 3, Llama-style models):
+   a query's rows stay in registers and each key and value row is loaded once for all of
+   them. Every row is computed by the same instructions whichever window it sits in (one
+   query at a time), so a decode and a verify of the same position agree bit for bit. */
+typedef float vec16 __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int ivec16 __attribute__((vector_size(64)));
+
+static inline vec16 load16(const float *p) { return *(const vec16 *)p; }
+
+#if defined(__clang__)
+#define SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define SHUFFLE(v, ...) __builtin_shuffle(v, (ivec16){__VA_ARGS__})
+#endif
+
+static inline float sum16(vec16 v) { /* a fixed tree: halves, quarters, pairs, lanes */
+  v += SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+/* `group` is a constant at every call (attend_fast): the rows' loops unroll and the query and
+   accumulator rows stay in registers (a runtime count kept them on the stack: 1.6x slower) */
+static inline __attribute__((always_inline)) void attend_group(
+    const Call *c, int64_t s, int64_t g, int64_t j0, int64_t j1, float *scores,
+    const int64_t group) {
+  const int64_t *table = c->tables + s * c->max_blocks;
+  const int64_t start = c->starts[s], qoff = c->qoffs[s];
+  const int64_t length = start + j1;
+  for (int64_t i = 0; i < AHEAD && i < length; i++) prefetch_rows(c, table, g, i);
+  for (int64_t j = j0; j < j1; j++) {
+    const int64_t limit = start + j + 1;
+    vec16 q[FAST_GROUP][4];
+    for (int64_t u = 0; u < group; u++) {
+      const float *row = c->q + (qoff + j) * c->q_tstride + (g * group + u) * c->q_hstride;
+      for (int t = 0; t < 4; t++) q[u][t] = load16(row + 16 * t);
+    }
+    float *sc = scores + (j - j0) * group * length;
+    for (int64_t i = 0; i < limit; i++) {
+      if (j == j0 && i + AHEAD < length) prefetch_rows(c, table, g, i + AHEAD);
+      const float *key = pool_row(c, c->k_pool, table, g, i);
+      const vec16 k0 = load16(key), k1 = load16(key + 16), k2 = load16(key + 32),
+                  k3 = load16(key + 48);
+      for (int64_t u = 0; u < group; u++)
+        sc[u * length + i] =
+            sum16((k0 * q[u][0] + k1 * q[u][1]) + (k2 * q[u][2] + k3 * q[u][3])) * c->scale;
+    }
+    for (int64_t u = 0; u < group; u++) {
+      float *row = sc + u * length;
+      float top = row[0], total = 0.0f;
+      for (int64_t i = 1; i < limit; i++) top = row[i] > top ? row[i] : top;
+      for (int64_t i = 0; i < limit; i++) {
+        row[i] = expf(row[i] - top);
+        total += row[i];
+      }
+      const float inv = 1.0f / total;
+      for (int64_t i = 0; i < limit; i++) row[i] *= inv;
+    }
+    vec16 acc[FAST_GROUP][4];
+    memset(acc, 0, sizeof(acc));
+    for (int64_t i = 0; i < limit; i++) {
+      const float *value = pool_row(c, c->v_pool, table, g, i);
+      const vec16 v0 = load16(value), v1 = load16(value + 16), v2 = load16(value + 32),
+                  v3 = load16(value + 48);
+      for (int64_t u = 0; u < group; u++) {
+        const float p = sc[u * length + i];
+        acc[u][0] += p * v0;
+        acc[u][1] += p * v1;
+        acc[u][2] += p * v2;
+        acc[u][3] += p * v3;
+      }
+    }
+    for (int64_t u = 0; u < group; u++) {
+      vec16 *out = (vec16 *)(c->out + (qoff + j) * c->q_tstride + (g * group + u) * c->q_hstride);
+      for (int t = 0; t < 4; t++) out[t] = acc[u][t];
+    }
+  }
+}
+
+static void attend_fast(const Call *c, int64_t s, int64_t g, int64_t j0, int64_t j1,
+                        float *scores) {
+  switch (c->group) {
+    case 1: attend_group(c, s, g, j0, j1, scores, 1); break;
+    case 2: attend_group(c, s, g, j0, j1, scores, 2); break;
+    case 3: attend_group(c, s, g, j0, j1, scores, 3); break;
+    default: attend_group(c, s, g, j0, j1, scores, 4); break;
+  }
+}
+#define HAVE_FAST 1
+#else
+#define HAVE_FAST 0
+#define attend_fast(c, s, g, j0, j1, scores) attend(c, s, g, j0, j1, scores, NULL)
+#endif
+
 enum { STACK_FLOATS = 16384 };
 
 static void attend_item(void *data, size_t item) {
@@ -255,7 +370,10 @@ static void attend_item(void *data, size_t item) {
                (size_t)c->dim * sizeof(float));
     return;
   }
-  attend(c, s, g, j0, j1, buffer, buffer + rows * length);
+  if (HAVE_FAST && c->dim == FAST_DIM && c->group <= FAST_GROUP)
+    attend_fast(c, s, g, j0, j1, buffer);
+  else
+    attend(c, s, g, j0, j1, buffer, buffer + rows * length);
   if (buffer != stack) free(buffer);
 }
 

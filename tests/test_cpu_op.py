@@ -30,6 +30,7 @@ from dspark.runtime.model.sessions import make_session
 
 from model_fixtures import ARCHS, FORMS
 
+FAST_GEOMETRIES = [(64, 9, 3), (64, 8, 2), (64, 4, 4), (64, 2, 1)]  # head_dim 64, group 3/4/1/2
 INVALID = ort.capi.onnxruntime_pybind11_state.InvalidArgument
 FEEDS = ("q", "k", "v", "k_pool", "v_pool", "tables", "starts", "qoffs", "news")
 
@@ -65,7 +66,8 @@ def _graph_view(x: np.ndarray, layout: str) -> np.ndarray:
 @pytest.mark.parametrize("layout", ["tokens", "heads"])
 @pytest.mark.parametrize("news", [[1], [1, 1, 1], [5], [3, 1, 8], [17, 2], [150, 3]])
 @pytest.mark.parametrize("block", [16, 7])
-@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"d{g[0]}h{g[1]}kv{g[2]}")
+@pytest.mark.parametrize("geometry", GEOMETRIES + FAST_GEOMETRIES[1:],
+                         ids=lambda g: f"d{g[0]}h{g[1]}kv{g[2]}")
 def test_op_matches_reference(library, geometry, block, news, layout):
     """[150, 3] is a prefill-sized window: split in query blocks over the intra-op pool."""
     dim, heads, kv = geometry
@@ -89,6 +91,32 @@ def test_op_matches_reference(library, geometry, block, news, layout):
     got = out[0] if layout == "tokens" else out[0].transpose(1, 0, 2)
     assert out.shape == _graph_view(q, layout).shape
     assert_close(t(np.ascontiguousarray(got)).reshape(q.shape), want, 2e-5)
+
+
+@pytest.mark.parametrize("layout", ["tokens", "heads"])
+@pytest.mark.parametrize("geometry", FAST_GEOMETRIES, ids=lambda g: f"d{g[0]}h{g[1]}kv{g[2]}")
+def test_a_window_agrees_with_decoding_its_tokens_one_by_one(library, geometry, layout):
+    """Greedy speculation is lossless only if verifying a window scores each position
+    exactly as decoding it would: the op's output for a 6-token window equals, bit for bit,
+    six one-token steps over the same cache (and the reference within float tolerance)."""
+    dim, heads, kv = geometry
+    rng, _ = _seeded("window-vs-steps", geometry, layout)
+    q, k, v, k_pool, v_pool, tables, starts, qoffs, lens = _case(rng, heads, kv, dim, 16, [6])
+    sess = _op_session(library, heads, kv, dim, layout)
+
+    def run(rows: slice, start: int, pools) -> np.ndarray:
+        n = rows.stop - rows.start
+        [out] = sess.run(["out"], dict(zip(FEEDS, (
+            _graph_view(q[rows], layout), _graph_view(k[rows], layout),
+            _graph_view(v[rows], layout), *pools, tables, np.array([start], np.int64),
+            np.zeros(1, np.int64), np.array([n], np.int64)))))
+        return out[0] if layout == "tokens" else out[0].transpose(1, 0, 2)
+
+    window = run(slice(0, 6), int(starts[0]), (k_pool.copy(), v_pool.copy()))
+    pools = (k_pool.copy(), v_pool.copy())
+    steps = np.concatenate([run(slice(j, j + 1), int(starts[0]) + j, pools).reshape(1, -1)
+                            for j in range(6)])
+    np.testing.assert_array_equal(window.reshape(6, -1), steps)
 
 
 def test_loading_the_op_leaves_the_process_floating_point_state(library):
