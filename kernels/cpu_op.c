@@ -193,6 +193,18 @@ static inline const float *pool_row(const Call *c, const float *pool, const int6
                     c->dim;
 }
 
+/* row[0 .. limit-1] -> softmax of it, in place */
+static inline void softmax(float *row, int64_t limit) {
+  float top = row[0], total = 0.0f;
+  for (int64_t i = 1; i < limit; i++) top = row[i] > top ? row[i] : top;
+  for (int64_t i = 0; i < limit; i++) {
+    row[i] = expf(row[i] - top);
+    total += row[i];
+  }
+  const float inv = 1.0f / total;
+  for (int64_t i = 0; i < limit; i++) row[i] *= inv;
+}
+
 /* Queries j0 .. j1-1 of sequence s against KV head g. scores: [(j1-j0) * group][length]. */
 static void attend(const Call *c, int64_t s, int64_t g, int64_t j0, int64_t j1, float *scores,
                    float *acc) {
@@ -210,18 +222,7 @@ static void attend(const Call *c, int64_t s, int64_t g, int64_t j0, int64_t j1, 
       }
     }
   }
-  for (int64_t r = 0; r < rows; r++) {
-    float *row = scores + r * length;
-    const int64_t limit = start + j0 + r / group + 1;
-    float top = row[0], total = 0.0f;
-    for (int64_t i = 1; i < limit; i++) top = row[i] > top ? row[i] : top;
-    for (int64_t i = 0; i < limit; i++) {
-      row[i] = expf(row[i] - top);
-      total += row[i];
-    }
-    const float inv = 1.0f / total;
-    for (int64_t i = 0; i < limit; i++) row[i] *= inv;
-  }
+  for (int64_t r = 0; r < rows; r++) softmax(scores + r * length, start + j0 + r / group + 1);
   memset(acc, 0, (size_t)(rows * dim) * sizeof(float));
   for (int64_t i = 0; i < length; i++) {
     const float *value = pool_row(c, c->v_pool, table, g, i);
@@ -303,17 +304,7 @@ static inline __attribute__((always_inline)) void attend_group(
         sc[u * length + i] =
             sum16((k0 * q[u][0] + k1 * q[u][1]) + (k2 * q[u][2] + k3 * q[u][3])) * c->scale;
     }
-    for (int64_t u = 0; u < group; u++) {
-      float *row = sc + u * length;
-      float top = row[0], total = 0.0f;
-      for (int64_t i = 1; i < limit; i++) top = row[i] > top ? row[i] : top;
-      for (int64_t i = 0; i < limit; i++) {
-        row[i] = expf(row[i] - top);
-        total += row[i];
-      }
-      const float inv = 1.0f / total;
-      for (int64_t i = 0; i < limit; i++) row[i] *= inv;
-    }
+    for (int64_t u = 0; u < group; u++) softmax(sc + u * length, limit);
     vec16 acc[FAST_GROUP][4];
     memset(acc, 0, sizeof(acc));
     for (int64_t i = 0; i < limit; i++) {
