@@ -141,7 +141,8 @@ class SourceChooser:
         position before times alpha, worth PRIOR_WEIGHT rounds) let one rejection at a
         rarely tried position end the trials there: a draft holding 90% of its first and
         second tokens over 40 rounds, its third tried once and rejected, priced that third
-        at 0.51 and never tried it again (code prompts: windows of 2 where 3 paid 4-10%).
+        at 0.51 and never tried it again (code prompts, given room for more: windows of 2
+        where fixed windows of 3 made 4-10% more).
         Counted among the rounds that reached it, the same third draft is 0 of 1 tried,
         which the pooled acceptance outweighs until it is tried again."""
         src = stats.sources.get("draft") if stats is not None else None
