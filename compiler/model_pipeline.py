@@ -16,6 +16,7 @@ from dspark.compiler.passes.bind import Meaning, bind_removed_inputs, classify, 
 from dspark.compiler.passes.fold_shapes import fold_shapes, reshaped, shape_derived
 from dspark.compiler.passes.optimize import load_full, optimize
 from dspark.compiler.passes.probe import PROBE_SHAPES, Prober
+from dspark.compiler.passes.projections import fuse_projections
 from dspark.compiler.passes.rotary import fuse_rotary
 from dspark.compiler.passes.segments import SegmentCut, cut_segments, segment_graph
 from dspark.compiler.passes.select_logits import select_logits_rows
@@ -99,6 +100,7 @@ def rewrite(graph: gs.Graph, contract: InputContract, role: str, progress: Progr
             progress.say(f"{role}: rotary left unfused (runs as exported): "
                          + "; ".join(unfused[:3]) + (" ..." if len(unfused) > 3 else ""))
         counts["verify_token_major"] = token_major_verify(graph)
+        counts["projections_joined"] = fuse_projections(graph)
     counts["logits_rows_selected"] = select_logits_rows(graph)
     graph.toposort()
     progress.say(f"{role}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
