@@ -23,7 +23,8 @@
    values evicted by the weights: 66 -> 37 us a layer on one thread).
 
    Only onnxruntime's stable C ABI is used: OrtApi is a table of function pointers that only
-   ever grows, so a slot index stays valid in every later release (indices below). */
+   ever grows, so a slot index stays valid in every later release (ort_abi.h). The library also
+   holds MatMulInt4 (cpu_int4.c); RegisterCustomOps adds both. */
 
 #include <math.h>
 #include <stddef.h>
@@ -31,130 +32,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef struct OrtStatus OrtStatus;
-typedef struct OrtKernelInfo OrtKernelInfo;
-typedef struct OrtKernelContext OrtKernelContext;
-typedef struct OrtValue OrtValue;
-typedef struct OrtSessionOptions OrtSessionOptions;
-typedef struct OrtCustomOpDomain OrtCustomOpDomain;
-typedef struct OrtShapeInfo OrtShapeInfo;
+#include "ort_abi.h"
 
-typedef struct OrtApiBase {
-  const void *(*GetApi)(uint32_t version);
-  const char *(*GetVersionString)(void);
-} OrtApiBase;
-
-/* The custom op descriptor as of API version 17 (onnxruntime reads the fields its version has). */
-typedef struct OrtCustomOp {
-  uint32_t version;
-  void *(*CreateKernel)(const struct OrtCustomOp *op, const void *api, const OrtKernelInfo *info);
-  const char *(*GetName)(const struct OrtCustomOp *op);
-  const char *(*GetExecutionProviderType)(const struct OrtCustomOp *op);
-  int (*GetInputType)(const struct OrtCustomOp *op, size_t index);
-  size_t (*GetInputTypeCount)(const struct OrtCustomOp *op);
-  int (*GetOutputType)(const struct OrtCustomOp *op, size_t index);
-  size_t (*GetOutputTypeCount)(const struct OrtCustomOp *op);
-  void (*KernelCompute)(void *kernel, OrtKernelContext *context);
-  void (*KernelDestroy)(void *kernel);
-  int (*GetInputCharacteristic)(const struct OrtCustomOp *op, size_t index);
-  int (*GetOutputCharacteristic)(const struct OrtCustomOp *op, size_t index);
-  int (*GetInputMemoryType)(const struct OrtCustomOp *op, size_t index);
-  int (*GetVariadicInputMinArity)(const struct OrtCustomOp *op);
-  int (*GetVariadicInputHomogeneity)(const struct OrtCustomOp *op);
-  int (*GetVariadicOutputMinArity)(const struct OrtCustomOp *op);
-  int (*GetVariadicOutputHomogeneity)(const struct OrtCustomOp *op);
-  OrtStatus *(*CreateKernelV2)(const struct OrtCustomOp *op, const void *api,
-                               const OrtKernelInfo *info, void **kernel);
-  OrtStatus *(*KernelComputeV2)(void *kernel, OrtKernelContext *context);
-  OrtStatus *(*InferOutputShapeFn)(const struct OrtCustomOp *op, void *context);
-  int (*GetStartVersion)(const struct OrtCustomOp *op);
-  int (*GetEndVersion)(const struct OrtCustomOp *op);
-} OrtCustomOp;
-
-/* OrtApi slots (0-based) and the API version that has them all (ParallelFor: 1.17). */
-enum {
-  API_VERSION = 17,
-  CREATE_STATUS = 0,
-  CREATE_CUSTOM_OP_DOMAIN = 26,
-  CUSTOM_OP_DOMAIN_ADD = 27,
-  ADD_CUSTOM_OP_DOMAIN = 28,
-  GET_TENSOR_MUTABLE_DATA = 51,
-  GET_DIMENSIONS_COUNT = 61,
-  GET_DIMENSIONS = 62,
-  GET_TENSOR_TYPE_AND_SHAPE = 65,
-  KERNEL_INFO_GET_ATTRIBUTE_FLOAT = 85,
-  KERNEL_INFO_GET_ATTRIBUTE_INT64 = 86,
-  KERNEL_INFO_GET_ATTRIBUTE_STRING = 87,
-  KERNEL_CONTEXT_GET_INPUT = 90,
-  KERNEL_CONTEXT_GET_OUTPUT = 91,
-  RELEASE_STATUS = 93,
-  RELEASE_TENSOR_TYPE_AND_SHAPE_INFO = 99,
-  KERNEL_CONTEXT_PARALLEL_FOR = 274,
-};
-
-enum { ELEM_FLOAT = 1, ELEM_INT64 = 7, ERR_INVALID_ARGUMENT = 2 };
-
-static void *const *ort;
-#define ORT(slot, type) ((type)ort[slot])
-
-typedef OrtStatus *(*GetInputFn)(const OrtKernelContext *, size_t, const OrtValue **);
-typedef OrtStatus *(*GetOutputFn)(OrtKernelContext *, size_t, const int64_t *, size_t,
-                                  OrtValue **);
-typedef OrtStatus *(*MutableDataFn)(OrtValue *, void **);
-typedef OrtStatus *(*TypeShapeFn)(const OrtValue *, OrtShapeInfo **);
-typedef OrtStatus *(*DimsCountFn)(const OrtShapeInfo *, size_t *);
-typedef OrtStatus *(*DimsFn)(const OrtShapeInfo *, int64_t *, size_t);
-typedef void (*ReleaseShapeFn)(OrtShapeInfo *);
-typedef void (*ReleaseStatusFn)(OrtStatus *);
-typedef OrtStatus *(*ParallelForFn)(const OrtKernelContext *, void (*)(void *, size_t), size_t,
-                                    size_t, void *);
-
-typedef OrtStatus *(*CreateStatusFn)(int, const char *);
-
-static OrtStatus *error(const char *what) {
-  return ORT(CREATE_STATUS, CreateStatusFn)(ERR_INVALID_ARGUMENT, what);
-}
-
-static int ok(OrtStatus *status) {
-  if (status == NULL) return 1;
-  ORT(RELEASE_STATUS, ReleaseStatusFn)(status);
-  return 0;
-}
+void *const *ort;
 
 typedef struct {
   int64_t heads, kv_heads, dim;
   float scale;
   int tokens_layout;
 } Kernel;
-
-enum { MAX_RANK = 8 };
-
-typedef struct {
-  int64_t dims[MAX_RANK];
-  size_t rank;
-  int64_t count;
-} Shape;
-
-static int shape_of(const OrtValue *value, Shape *shape) {
-  OrtShapeInfo *info = NULL;
-  if (!ok(ORT(GET_TENSOR_TYPE_AND_SHAPE, TypeShapeFn)(value, &info))) return 0;
-  int good = ok(ORT(GET_DIMENSIONS_COUNT, DimsCountFn)(info, &shape->rank)) &&
-             shape->rank <= MAX_RANK &&
-             ok(ORT(GET_DIMENSIONS, DimsFn)(info, shape->dims, shape->rank));
-  ORT(RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, ReleaseShapeFn)(info);
-  shape->count = 1;
-  for (size_t i = 0; good && i < shape->rank; i++) shape->count *= shape->dims[i];
-  return good;
-}
-
-static const void *input(OrtKernelContext *ctx, size_t i, Shape *shape) {
-  const OrtValue *value = NULL;
-  void *data = NULL;
-  if (!ok(ORT(KERNEL_CONTEXT_GET_INPUT, GetInputFn)(ctx, i, &value)) || value == NULL) return NULL;
-  if (shape != NULL && !shape_of(value, shape)) return NULL;
-  if (!ok(ORT(GET_TENSOR_MUTABLE_DATA, MutableDataFn)((OrtValue *)value, &data))) return NULL;
-  return data;
-}
 
 /* One call's view of the batch. Rows of q/k/v/out: token t, head h at t * tstride + h * hstride
    (elements); q and out share strides, k and v share theirs. */
@@ -483,6 +369,7 @@ static OrtCustomOp verify_op = {
     output_count, compute_v1, destroy, required, required, required, one, one, one, one,
     create_kernel, compute, NULL, NULL, NULL};
 static OrtCustomOpDomain *domain;
+extern const OrtCustomOp dspark_int4_op; /* cpu_int4.c */
 
 OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
   typedef OrtStatus *(*CreateDomainFn)(const char *, OrtCustomOpDomain **);
@@ -499,6 +386,7 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
     OrtStatus *status = ORT(CREATE_CUSTOM_OP_DOMAIN, CreateDomainFn)("ai.dspark", &domain);
     if (status != NULL) return status;
     status = ORT(CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &verify_op);
+    if (status == NULL) status = ORT(CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &dspark_int4_op);
     if (status != NULL) return status;
   }
   return ORT(ADD_CUSTOM_OP_DOMAIN, AddDomainFn)(options, domain);

@@ -25,7 +25,10 @@ from pathlib import Path
 
 log = logging.getLogger("dspark.kernels")
 
-SOURCE = Path(__file__).resolve().with_suffix(".c")
+HERE = Path(__file__).resolve().parent
+# the library: SpeculativeVerify (cpu_op.c, which registers both ops) and MatMulInt4
+SOURCES = (HERE / "cpu_op.c", HERE / "cpu_int4.c")
+HEADERS = (HERE / "ort_abi.h",)
 # Two builds, the first that links wins:
 #   compiled with -ffast-math, linked without it, with glibc's vector math library: the dot
 #   products vectorise and so does expf (libmvec); a verify window's attention measured
@@ -73,7 +76,7 @@ def op_library(cache_dir: str, cc: str) -> OpLibrary:
     version = _compiler_version(cc)
     if version is None:
         return OpLibrary(None, f"no C compiler ({cc!r}; set CC)")
-    source = SOURCE.read_bytes()
+    source = b"\0".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     key = hashlib.sha256(b"\0".join([source, repr(BUILDS).encode(), version.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     target = Path(cache_dir) / f"dspark-cpu-op-{key}.so"
@@ -92,11 +95,13 @@ def op_library(cache_dir: str, cc: str) -> OpLibrary:
 
 def _build(cc: str, compile_flags: tuple[str, ...], link_flags: tuple[str, ...],
            libs: tuple[str, ...], target: Path) -> str | None:
-    """Compile and link SOURCE to `target` (through temporary names); the error, if any."""
+    """Compile and link SOURCES to `target` (through temporary names); the error, if any."""
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
-        obj, lib = Path(tmp) / "op.o", Path(tmp) / target.name
-        for cmd in ([cc, *compile_flags, "-o", str(obj), str(SOURCE)],
-                    [cc, *link_flags, "-o", str(lib), str(obj), *libs]):
+        objs = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        lib = Path(tmp) / target.name
+        steps = [[cc, *compile_flags, "-o", str(obj), str(source)]
+                 for obj, source in zip(objs, SOURCES)]
+        for cmd in [*steps, [cc, *link_flags, "-o", str(lib), *map(str, objs), *libs]]:
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             except (OSError, subprocess.TimeoutExpired) as e:
@@ -105,3 +110,15 @@ def _build(cc: str, compile_flags: tuple[str, ...], link_flags: tuple[str, ...],
                 return done.stderr.strip()[-500:]
         os.replace(lib, target)
     return None
+
+
+@functools.cache
+def int4_fast(library: Path) -> bool:
+    """Whether the library's MatMulInt4 has its vector path (AVX-512 VNNI; cpu_int4.c):
+    without it the op is plain loops, slower than onnxruntime's MatMulNBits."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL(str(library)).dspark_int4_fast())
+    except (OSError, AttributeError):
+        return False

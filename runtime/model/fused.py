@@ -23,8 +23,10 @@ from onnx import TensorProto, helper
 from dspark.runtime.bundle.bundle import Bundle
 from dspark.runtime.bundle.spec import INPUT_IDS, LOGITS, LOGITS_INDEX, POSITION_IDS, VERIFY_OP
 from dspark.runtime.cache.kv_arena import KVArena
+from dspark.runtime.env import read_env
 from dspark.runtime.model.batch import FlatBatch
 from dspark.runtime.model.executor import StepClock, id_input_types
+from dspark.runtime.model.int4_rows import rewrite_int4
 from dspark.runtime.model.sessions import make_session
 
 TABLES, STARTS, QOFFS, NEWS = "dspark_tables", "dspark_starts", "dspark_qoffs", "dspark_news"
@@ -35,9 +37,12 @@ def pool_inputs(layer: int) -> tuple[str, str]:
     return f"dspark_k_pool_{layer}", f"dspark_v_pool_{layer}"
 
 
-def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int]) -> bytes:
-    """The role's whole graph with arena and batch inputs on every SpeculativeVerify node.
-    pool_shape: (kv_heads, block_size, head_dim) of the pool the model reads."""
+def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int],
+                int4_rows: bool = False) -> tuple[bytes, int]:
+    """The role's whole graph with arena and batch inputs on every SpeculativeVerify node,
+    and how many projections became MatMulInt4. pool_shape: (kv_heads, block_size, head_dim)
+    of the pool the model reads. `int4_rows`: its int4 projections as MatMulInt4
+    (int4_rows.py; a draft's, with the op's fast path)."""
     spec = bundle.model(role)
     model = onnx.load(str(bundle.path(spec.graph_file)), load_external_data=False)
     graph = model.graph
@@ -64,21 +69,27 @@ def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int]) -> 
     graph.input.append(helper.make_tensor_value_info(TABLES, i64, ["seqs", "max_blocks"]))
     for name in (STARTS, QOFFS, NEWS):
         graph.input.append(helper.make_tensor_value_info(name, i64, ["seqs"]))
-    return model.SerializeToString()
+    rewritten = (rewrite_int4(model, bundle.path(spec.graph_file).parent, read_env().threads)
+                 if int4_rows else 0)
+    return model.SerializeToString(), rewritten
 
 
 class FusedModel:
     def __init__(self, bundle: Bundle, role: str, arena: KVArena, pool: str, library: Path,
-                 profile_prefix: str | None = None):
+                 profile_prefix: str | None = None, int4_rows: bool = False):
         """`pool`: the arena pool the model's attention reads and writes (a draft that shares
-        the main's cache reads the main's). `library`: kernels/cpu_op.py's build."""
+        the main's cache reads the main's). `library`: kernels/cpu_op.py's build.
+        `int4_rows`: run its int4 projections as MatMulInt4 (see fused_graph)."""
         self.spec = bundle.model(role)
         self.arena = arena
         self.pool = pool
         self.library = library
         first = arena.pools[pool].k[0]
+        self.int4_rows = int4_rows
+        graph, self.int4_projections = fused_graph(bundle, role, tuple(first.shape[1:]),
+                                                   int4_rows)
         self.session = make_session(
-            fused_graph(bundle, role, tuple(first.shape[1:])), custom_ops=library,
+            graph, custom_ops=library,
             profile_prefix=profile_prefix,
             config={EXTERNAL_FOLDER: str(bundle.path(self.spec.graph_file).parent)})
         self.sessions = [self.session]

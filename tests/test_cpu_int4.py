@@ -1,0 +1,183 @@
+"""MatMulInt4 (kernels/cpu_int4.c) and the draft rewrite that uses it (runtime/model/int4_rows.py).
+
+The op in a one-node graph against its own plain loops and against numpy's arithmetic of the
+same blocks (int8 inputs, exact block dot products, float16 scales); against onnxruntime's
+MatMulNBits it agrees to the scales' rounding; the rewrite leaves what the op cannot run as
+it was.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from dspark.kernels.cpu_op import int4_fast, op_library
+from dspark.runtime.env import kernel_cache_dir, read_env
+from dspark.runtime.model.int4_rows import pack_rows, rewrite_int4
+from dspark.runtime.model.sessions import make_session
+
+INVALID = ort.capi.onnxruntime_pybind11_state.InvalidArgument
+
+
+@pytest.fixture(scope="module")
+def library():
+    built = op_library(kernel_cache_dir(), read_env().cc)
+    assert built.path is not None, built.reason
+    return built.path
+
+
+def _weights(rng, k: int, n: int):
+    b = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
+    scales = (rng.random(n * k // 32, dtype=np.float32) * 0.02 + 1e-3).astype(np.float32)
+    return b, scales
+
+
+def _nbits_model(k: int, n: int, b, scales, rows: int, *, level: int = 4, block: int = 32,
+                 extra_inputs: tuple[str, ...] = (), extra_inits=()):
+    node = helper.make_node("MatMulNBits", ["x", "B", "S", *extra_inputs], ["y"], name="mm",
+                            domain="com.microsoft", K=k, N=n, bits=4, block_size=block,
+                            accuracy_level=level)
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, n])],
+        [numpy_helper.from_array(b, "B"), numpy_helper.from_array(scales, "S"), *extra_inits])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                   helper.make_opsetid("com.microsoft", 1)])
+
+
+def _op_session(library, k: int, n: int, rows_w: np.ndarray, **attrs):
+    node = helper.make_node("MatMulInt4", ["x", "w"], ["y"], domain="ai.dspark", K=k, N=n,
+                            **attrs)
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(rows_w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("ai.dspark", 1)])
+    return make_session(model.SerializeToString(), custom_ops=library)
+
+
+def _numpy_blocks(x: np.ndarray, b: np.ndarray, scales: np.ndarray, k: int, n: int):
+    """The op's arithmetic in float64: x to int8 per block of 32 (max|x|/127, to nearest),
+    weights (nibble - 8) * float16(scale), a block's dot product exact."""
+    pairs = b.reshape(n, k // 2)
+    q = np.empty((n, k), np.int64)
+    q[:, 0::2], q[:, 1::2] = pairs & 15, pairs >> 4
+    blocks = x.reshape(len(x), k // 32, 32).astype(np.float32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    x8 = np.rint(blocks * inv).astype(np.int64)
+    sx = (amax / np.float32(127)).astype(np.float32)[..., 0]
+    d = scales.astype(np.float16).astype(np.float64).reshape(n, k // 32)
+    dots = np.einsum("rbi,nbi->rnb", x8, (q - 8).reshape(n, k // 32, 32))
+    return np.einsum("rnb,nb,rb->rn", dots.astype(np.float64), d, sx.astype(np.float64))
+
+
+@pytest.mark.parametrize("k,n,rows,threads", [
+    (64, 5, 1, 1), (128, 64, 2, 2), (192, 33, 3, 2), (576, 130, 1, 2), (576, 70, 5, 3),
+    (1536, 48, 9, 2)])
+def test_op_computes_the_blocks(library, k, n, rows, threads):
+    rng = np.random.default_rng(k + n + rows)
+    b, scales = _weights(rng, k, n)
+    x = rng.standard_normal((rows, k), dtype=np.float32)
+    x[0, :32] = 0.0  # an all-zero block quantizes to zeros, not NaN
+    packed = pack_rows(b, scales, k, n)
+    got = _op_session(library, k, n, packed, threads=threads).run(None, {"x": x})[0]
+    want = _numpy_blocks(x, b, scales, k, n)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    # the plain loops (what a CPU without AVX-512 VNNI runs) compute the same
+    plain = np.empty((rows, n), np.float32)
+    ref = ctypes.CDLL(str(library)).dspark_int4_reference
+    ref.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    assert ref(x.ctypes.data, packed.ctypes.data, plain.ctypes.data, rows, k, n) == 1
+    np.testing.assert_allclose(plain, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_op_keeps_the_input_shape(library):
+    rng = np.random.default_rng(3)
+    b, scales = _weights(rng, 128, 16)
+    x = rng.standard_normal((1, 3, 128), dtype=np.float32)
+    got = _op_session(library, 128, 16, pack_rows(b, scales, 128, 16), threads=2).run(
+        None, {"x": x})[0]
+    assert got.shape == (1, 3, 16)
+    np.testing.assert_allclose(got[0], _numpy_blocks(x[0], b, scales, 128, 16), rtol=2e-5,
+                               atol=1e-5)
+
+
+def test_rewrite_agrees_with_matmulnbits(library):
+    """What a draft's projection gives before and after: the same to float16 scales."""
+    rng = np.random.default_rng(7)
+    for k, n, rows in [(576, 960, 1), (1536, 576, 3), (64, 130, 9)]:
+        b, scales = _weights(rng, k, n)
+        x = rng.standard_normal((rows, k), dtype=np.float32)
+        model = _nbits_model(k, n, b, scales, rows)
+        before = make_session(model.SerializeToString()).run(None, {"x": x})[0]
+        assert rewrite_int4(model, ".", threads=2) == 1
+        assert [nd.op_type for nd in model.graph.node] == ["MatMulInt4"]
+        assert {t.name for t in model.graph.initializer} == {"y/int4_rows"}
+        after = make_session(model.SerializeToString(), custom_ops=library).run(
+            None, {"x": x})[0]
+        scale = np.abs(before).max()
+        assert np.abs(after - before).max() <= 2e-3 * scale
+        assert np.abs(after - before).max() > 0 or k == 64  # float16 scales do round
+
+
+def test_pack_rows_layout():
+    """Chunks of 128 pair input j with 64 + j in byte j; a last chunk of 64 pairs j, 32 + j."""
+    k, n = 192, 2
+    values = (np.arange(k)[None, :] * 7 + np.arange(n)[:, None]) % 16
+    b = (values[:, 0::2] | (values[:, 1::2] << 4)).astype(np.uint8).reshape(n, k // 32, 16)
+    scales = np.arange(1, n * k // 32 + 1, dtype=np.float32)
+    rows = pack_rows(b, scales, k, n)
+    assert rows.shape == (n, k // 2 + k // 16)
+    for j in range(64):
+        assert rows[1, j] & 15 == values[1, j] and rows[1, j] >> 4 == values[1, 64 + j]
+    for j in range(32):
+        assert rows[0, 64 + j] & 15 == values[0, 128 + j]
+        assert rows[0, 64 + j] >> 4 == values[0, 160 + j]
+    halves = rows[:, k // 2:].copy().view("<f2").astype(np.float32)
+    np.testing.assert_array_equal(halves.ravel(), scales)
+
+
+def test_rewrite_leaves_what_the_op_cannot_run():
+    rng = np.random.default_rng(5)
+    b, scales = _weights(rng, 128, 8)
+    zp = numpy_helper.from_array(np.full(8 * 4 // 2, 0x88, np.uint8), "Z")
+    bias = numpy_helper.from_array(np.zeros(8, np.float32), "bias")
+    kept = [
+        _nbits_model(128, 8, b, scales, 1, level=0),  # float arithmetic asked for
+        _nbits_model(128, 8, b, scales, 1, extra_inputs=("Z",), extra_inits=(zp,)),
+        _nbits_model(128, 8, b, scales, 1, extra_inputs=("", "", "bias"), extra_inits=(bias,)),
+        _nbits_model(128, 8, b, scales * 1e7, 1),  # float16 cannot hold the scales
+    ]
+    b96, s96 = _weights(rng, 96, 8)
+    kept.append(_nbits_model(96, 8, b96, s96, 1))  # K not a multiple of 64
+    b16 = rng.integers(0, 256, (8, 8, 8), dtype=np.uint8)
+    kept.append(_nbits_model(128, 8, b16, np.ones(64, np.float32) * 0.01, 1, block=16))
+    for model in kept:
+        assert rewrite_int4(model, ".", threads=2) == 0
+        assert [nd.op_type for nd in model.graph.node] == ["MatMulNBits"]
+
+
+def test_bad_weights_are_refused(library):
+    rng = np.random.default_rng(2)
+    b, scales = _weights(rng, 128, 8)
+    packed = pack_rows(b, scales, 128, 8)
+    wide = np.zeros((9, packed.shape[1]), np.uint8)  # not N rows
+    with pytest.raises(INVALID, match="MatMulInt4: x must be"):
+        _op_session(library, 128, 8, wide).run(None, {"x": np.ones((1, 128), np.float32)})
+    with pytest.raises(INVALID, match="MatMulInt4: x must be"):
+        _op_session(library, 128, 8, packed).run(None, {"x": np.ones((1, 64), np.float32)})
+
+
+def test_fast_path_is_reported(library):
+    """The runtime rewrites only where the vector path is built: say which this CPU has."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text() if cpuinfo.exists() else ""
+    has = all(f in flags for f in ("avx512_vnni", "avx512bw", "avx512vl"))
+    assert int4_fast(library) == has
