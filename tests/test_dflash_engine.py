@@ -173,3 +173,31 @@ def test_first_and_later_draft_forwards_are_costed_apart(compiled):
     assert steps >= 2 * firsts  # window 4: up to 3 more each round
     assert rows.count("main") >= 1  # the prompt
     assert engine.costs.table[DRAFT_STEP] and engine.costs.table[AFTER_DRAFT]
+
+
+def test_hybrid_is_offered_at_least_its_min_window(compiled):
+    """On a device row of 2, DWC's windows are 1-2 after the first rounds (late: 3 scaled by
+    2/4; degraded: 2 scaled); a hybrid slot is offered `hybrid_min_window` within the device
+    cap (4) instead, and under the fixed policy the window asked for."""
+    from dspark.runtime.bundle.config import DraftingConfig
+
+    def offered(policy, window, min_window):
+        config = DFlashConfig(resources=ResourceConfig(table=(ResourceRow("cpu", 2),)),
+                              drafting=DraftingConfig(hybrid_min_window=min_window))
+        engine = Engine(open_bundle(compiled[("llama", "classic")]), policy, window,
+                        config=config)
+        windows, plan = [], engine.planner.plan
+
+        def record(p):
+            out = plan(p)
+            windows.extend(s.window for s in out if s.method == "hybrid")
+            return out
+
+        engine.planner.plan = record
+        engine.generate([GenerationRequest((5, 6, 7), 64, method="hybrid")])
+        return windows[2:7]  # rounds past the first two, with >= 4 tokens left
+
+    assert max(offered("dflash", None, 0)) <= 2
+    assert offered("dflash", None, 4) == [4] * 5
+    assert offered("dflash", None, 9) == [4] * 5  # the device cap still holds
+    assert max(offered("fixed", 1, 4)) <= 1

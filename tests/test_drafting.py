@@ -332,3 +332,5 @@ def test_lookup_trust_is_validated():
 
     with pytest.raises(ConfigError, match="drafting.lookup_trust"):
         DraftingConfig(lookup_trust=1.5).validate("drafting")
+    with pytest.raises(ConfigError, match="drafting.hybrid_min_window"):
+        DraftingConfig(hybrid_min_window=-1).validate("drafting")

@@ -96,6 +96,9 @@ class DraftingConfig:
     lookup: LookupConfig = field(default_factory=LookupConfig)
     explore_every: int = 8  # plain rounds between re-measurements of a source that did not pay
     lookup_trust: float = 0.5  # hybrid: a lookup whose first draft is this likely runs alone
+    # hybrid: the model window offered is at least this (within every cap) whatever an
+    # adaptive window policy says; its cost model still picks how many (0 included)
+    hybrid_min_window: int = 4
     # a draft model with the main's cache geometry and token ids (a quantized copy) reads
     # the main's KV cache instead of its own: no prompt prefill, no catch-up (engine start)
     share_main_kv: bool = True
@@ -105,6 +108,8 @@ class DraftingConfig:
                f"must be one of {METHOD_CHOICES}")
         _check(self.explore_every >= 1, f"{path}.explore_every", "must be >= 1")
         _check(0 <= self.lookup_trust <= 1, f"{path}.lookup_trust", "must lie in [0, 1]")
+        _check(0 <= self.hybrid_min_window <= 64, f"{path}.hybrid_min_window",
+               "must lie in [0, 64]")
         self.lookup.validate(f"{path}.lookup")
 
 

@@ -4,9 +4,14 @@
               model window = the tenant's window policy within every cap, lowered by VLB's
               batch cap; lookup cap = the lookup's max within the request/tenant caps.
               A hybrid slot's model window is the most the hybrid may draft; its cost
-              model picks how many (0 included). Offering it the whole cap instead (DWC's
-              late window is 2 on a 2-core CPU) measured code 1.46x -> 1.48-1.54x of plain
-              but edit 1.55x -> 1.47-1.51x (interleaved, 2 runs): DWC's windows stay.
+              model picks how many (0 included). Under an adaptive policy it is at least
+              `drafting.hybrid_min_window` (4): DWC's late window is 2 on a 2-core CPU
+              (its rules scaled to the device row's 3), and once the int4 draft cost a
+              fifth of a main step (MatMulInt4) a floor of 4 measured chat -0-5%, code
+              +1-9%, edit +1-7% over it (interleaved, 2 runs each, greedy and t=0.7).
+              Offering the whole cap (6) over-predicts long windows (the most optimistic
+              of noisy estimates wins): code 1.46x -> 1.48-1.54x of plain but edit 1.55x
+              -> 1.47-1.51x when it was measured, with the costlier draft.
     balance   VLB's fast + steady lanes; then, where the policy models survival (goodput) or
               a lookup proposed, the slots across the batch that maximise expected tokens
               per second of the verify (select_slots)
@@ -101,7 +106,10 @@ class WindowPlanner:
             method = self.method(s.seq)
             window = 0
             if method != "lookup":
-                window = min(self.cap(s.seq), self.policy(s.seq.tenant).window(self.view(s.seq)))
+                window = self.policy(s.seq.tenant).window(self.view(s.seq))
+                if method == "hybrid" and self.policy_name != "fixed":
+                    window = max(window, self.config.drafting.hybrid_min_window)
+                window = min(self.cap(s.seq), window)
             lookup = self.lookup_cap(s.seq) if method != "draft" else 0
             slots[s.seq.id] = s.but(method=method, window=window, lookup=lookup)
         cap = self.balancer.batch_cap(len(drafting), max((s.window for s in slots.values()),
