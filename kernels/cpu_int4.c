@@ -293,18 +293,14 @@ static void *int4_create_v1(const OrtCustomOp *op, const void *api, const OrtKer
 }
 
 static void int4_compute_v1(void *kernel, OrtKernelContext *ctx) { ok(int4_compute(kernel, ctx)); }
-static void int4_destroy(void *kernel) { free(kernel); }
 static const char *int4_name(const OrtCustomOp *op) { (void)op; return "MatMulInt4"; }
-static const char *int4_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static int int4_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 0 ? ELEM_FLOAT : ELEM_UINT8; }
 static size_t int4_input_count(const OrtCustomOp *op) { (void)op; return 2; }
 static int int4_output_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
 static size_t int4_output_count(const OrtCustomOp *op) { (void)op; return 1; }
-static int int4_required(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; }
-static int int4_one(const OrtCustomOp *op) { (void)op; return 1; }
 
 const OrtCustomOp dspark_int4_op = {
-    API_VERSION, int4_create_v1, int4_name, int4_provider, int4_input_type, int4_input_count,
-    int4_output_type, int4_output_count, int4_compute_v1, int4_destroy, int4_required,
-    int4_required, int4_required, int4_one, int4_one, int4_one, int4_one, int4_create,
+    API_VERSION, int4_create_v1, int4_name, op_cpu_provider, int4_input_type, int4_input_count,
+    int4_output_type, int4_output_count, int4_compute_v1, op_free_kernel, op_required,
+    op_required, op_required, op_one, op_one, op_one, op_one, int4_create,
     int4_compute, NULL, NULL, NULL};

@@ -354,19 +354,16 @@ static void *create_kernel_v1(const OrtCustomOp *op, const void *api, const OrtK
 
 static void compute_v1(void *kernel, OrtKernelContext *ctx) { ok(compute(kernel, ctx)); }
 
-static void destroy(void *kernel) { free(kernel); }
 static const char *op_name(const OrtCustomOp *op) { (void)op; return "SpeculativeVerify"; }
-static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const OrtCustomOp *op, size_t i) { (void)op; return i < 5 ? ELEM_FLOAT : ELEM_INT64; }
 static size_t input_count(const OrtCustomOp *op) { (void)op; return 9; }
 static int output_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
 static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
-static int required(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; }
-static int one(const OrtCustomOp *op) { (void)op; return 1; }
 
 static OrtCustomOp verify_op = {
-    API_VERSION, create_kernel_v1, op_name, op_provider, input_type, input_count, output_type,
-    output_count, compute_v1, destroy, required, required, required, one, one, one, one,
+    API_VERSION, create_kernel_v1, op_name, op_cpu_provider, input_type, input_count,
+    output_type, output_count, compute_v1, op_free_kernel, op_required, op_required,
+    op_required, op_one, op_one, op_one, op_one,
     create_kernel, compute, NULL, NULL, NULL};
 static OrtCustomOpDomain *domain;
 extern const OrtCustomOp dspark_int4_op; /* cpu_int4.c */

@@ -8,6 +8,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 typedef struct OrtStatus OrtStatus;
 typedef struct OrtKernelInfo OrtKernelInfo;
@@ -127,5 +128,15 @@ static inline const void *input(OrtKernelContext *ctx, size_t i, Shape *shape) {
   if (!ok(ORT(GET_TENSOR_MUTABLE_DATA, MutableDataFn)((OrtValue *)value, &data))) return NULL;
   return data;
 }
+
+/* Descriptor callbacks every CPU op here shares: kernels freed with free(), the CPU provider,
+   every input and output required, each variadic field 1. */
+static inline void op_free_kernel(void *kernel) { free(kernel); }
+static inline const char *op_cpu_provider(const OrtCustomOp *op) {
+  (void)op;
+  return "CPUExecutionProvider";
+}
+static inline int op_required(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; }
+static inline int op_one(const OrtCustomOp *op) { (void)op; return 1; }
 
 #endif
