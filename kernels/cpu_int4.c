@@ -1,32 +1,37 @@
 /* MatMulInt4 as an onnxruntime custom op (domain ai.dspark), CPU: y = x W^T for 4-bit weights.
 
    What a draft model's MatMulNBits (4 bits, blocks of 32, symmetric, accuracy level 4) computes,
-   in a layout made for streaming. A draft decode step reads ~80 MB of int4 weights right after
-   the main's step evicted them; onnxruntime's kernel spends ~5 ms of SmolLM2's 6.3 ms draft
-   forward there. Here each thread streams one contiguous run of weight rows (onnxruntime's
-   pool hands it the run as one batch), prefetching 8 KB ahead, with float16 scales (a tenth
-   fewer bytes) and two FMA chains a row: the forward after a main step takes 4.7 ms
-   (runtime/model/int4_rows.py rewrites the graph and packs the rows).
+   in a layout made for few input rows. A draft decode step reads ~80 MB of int4 weights right
+   after the main's step evicted them. onnxruntime's kernel spent ~5 ms of SmolLM2's 6.3 ms draft
+   forward there; a first version of this op (one streamed run of weight rows per thread, a dot
+   product and a horizontal sum per row) 3.1 ms, 2.5 of them computing even with the weights in
+   the cache: with K = 576 a row is 4.5 vectors, and its setup, tail and sum cost as much again.
+   Here 16 weight rows are interleaved so that one vector's 16 int32 lanes are 16 outputs: no
+   horizontal sums, no tails, each input's 4 int8 values broadcast once per 16 outputs
+   (runtime/model/int4_rows.py rewrites the graph and packs the groups).
 
    inputs   0 x float [..., K]
-            1 w uint8 [N, K/2 + K/16]: weight row n = K/2 bytes of 4-bit weights, then K/32
-              float16 scales (one per block of 32 inputs)
+            1 w uint8 [ceil(N/16), K/32, 288]: per group of 16 outputs, per block of 32 inputs,
+              4 vectors of 64 bytes, then the block's 16 float16 scales (zeros past N)
    output   0 y float [..., N]
-   attrs    K, N (int; K a multiple of 64), threads (int, default 1: the rows are split in
+   attrs    K, N (int; K a multiple of 32), threads (int, default 1: the groups are split in
             that many runs over onnxruntime's intra-op pool)
 
-   Weights come in chunks of 128 inputs: byte j of a chunk holds input j's weight in its low
-   nibble and input 64 + j's in its high nibble; a last chunk of 64 pairs j with 32 + j. A
-   weight is scale * (nibble - 8), MatMulNBits' symmetric 4-bit with its default zero point;
-   its float32 scales are stored as float16 (2^-11 relative, against int4's 1/16 steps).
-   Arithmetic as MatMulNBits' accuracy level 4: each row of x is quantized to int8 per block
-   of 32 (scale max|x| / 127), a block's dot product is exact in int32, and blocks are summed
-   in float32. The sum's order is not MatMulNBits', so results agree to rounding, not bits: a
-   draft's proposals only (the main verifies every token), never a main's arithmetic.
+   Vector v (0..3) of block b holds inputs k0 = 32b + 8v .. k0 + 7 of the group's 16 rows:
+   bytes 4i .. 4i+3 are row i's, byte 4i + j has input k0 + j in its low nibble and k0 + 4 + j
+   in its high nibble, so one vpdpbusd multiplies 16 rows by 4 broadcast inputs. A weight is
+   scale * (nibble - 8), MatMulNBits' symmetric 4-bit with its default zero point; its float32
+   scales are stored as float16 (2^-11 relative, against int4's 1/16 steps). Arithmetic as
+   MatMulNBits' accuracy level 4: each row of x is quantized to int8 per block of 32 (scale
+   max|x| / 127), a block's dot product is exact in int32 (the zero point enters as -8 times the
+   block's input sum), and blocks are summed in float32, in order, one fused multiply-add each.
+   Not MatMulNBits' order, so results agree to rounding, not bits: a draft's proposals only
+   (the main verifies every token), never a main's arithmetic.
 
-   With AVX-512 VNNI (dspark_int4_fast() = 1) a chunk is one load, two nibble masks and two
-   vpdpbusd per row of x, up to 4 rows of x per load of a weight row; elsewhere plain loops
-   compute the same blocks (the runtime only rewrites graphs where the fast path is built). */
+   With AVX-512 VNNI (dspark_int4_fast() = 1) a block is 4 loads, 8 nibble masks and, per row
+   of x (up to 4 per pass over the weights), 8 vpdpbusd on broadcast inputs; elsewhere plain
+   loops compute the same blocks, in the same order (the runtime only rewrites graphs where the
+   fast path is built). */
 
 #include <math.h>
 #include <stdlib.h>
@@ -34,14 +39,14 @@
 
 #include "ort_abi.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #include <immintrin.h>
 #define INT4_FAST 1
 #else
 #define INT4_FAST 0
 #endif
 
-enum { BLOCK = 32, GROUP = 4, PREFETCH = 8192 };
+enum { BLOCK = 32, LANES = 16, RECORD = 288, GROUP = 4, PREFETCH = 8192 };
 
 int dspark_int4_fast(void) { return INT4_FAST; }
 
@@ -49,19 +54,18 @@ typedef struct {
   int64_t k, n, threads;
 } Int4Kernel;
 
-/* One call: x quantized (x8 [rows, K], sx [rows, K/32]) and each block pair's zero-point
-   correction (zv [rows, K/64, 16] int32: lane 0 = -8 * sum of the pair's first block's int8
-   inputs, lane 8 = the second's, other lanes 0; vpdpbusd accumulates onto it). */
+/* One call: x quantized (x8 [rows, K] int8, sx [rows, K/32] its scales, zx [rows, K/32] each
+   block's zero-point term -8 * sum of its int8 inputs). */
 typedef struct {
   const uint8_t *w;
   float *y;
   const int8_t *x8;
   const float *sx;
-  const int32_t *zv;
-  int64_t k, n, rows, row_bytes, items;
+  const int32_t *zx;
+  int64_t k, n, rows, groups, items;
 } Int4Call;
 
-static int64_t row_bytes(int64_t k) { return k / 2 + k / 16; }
+static int64_t group_bytes(int64_t k) { return k / BLOCK * RECORD; }
 
 /* IEEE half to float, exactly (what F16C's vcvtph2ps gives). */
 static inline float half_float(uint16_t h) {
@@ -79,8 +83,7 @@ static inline float half_float(uint16_t h) {
   return f;
 }
 
-static void quantize(const float *x, int64_t k, int8_t *x8, float *sx, int32_t *zv) {
-  memset(zv, 0, (size_t)(k / 64 * 16) * sizeof(int32_t));
+static void quantize(const float *x, int64_t k, int8_t *x8, float *sx, int32_t *zx) {
   for (int64_t b = 0; b < k / BLOCK; b++) {
     const float *xb = x + b * BLOCK;
     float amax = 0.f;
@@ -93,136 +96,122 @@ static void quantize(const float *x, int64_t k, int8_t *x8, float *sx, int32_t *
       sum += v;
     }
     sx[b] = amax / 127.f;
-    zv[b / 2 * 16 + (b % 2) * 8] = -8 * sum;
+    zx[b] = -8 * sum;
   }
 }
 
-/* Input e's nibble in a packed row (the layout above). */
-static inline int nibble(const uint8_t *w, int64_t k, int64_t e) {
-  const int64_t full = k / 128 * 128;
-  const int64_t chunk = e < full ? e / 128 : full / 128, j = e - chunk * 128;
-  const int64_t half = e < full ? 64 : 32;
-  const uint8_t byte = w[chunk * 64 + j % half];
-  return j >= half ? byte >> 4 : byte & 15;
-}
-
-static void row_plain(const Int4Call *c, const uint8_t *w, int64_t n) {
+/* Group g against every row of x, plain loops: the same blocks, in the same order. */
+static void group_plain(const Int4Call *c, int64_t g) {
   const int64_t k = c->k, blocks = k / BLOCK;
-  const uint16_t *d = (const uint16_t *)(w + k / 2);
+  const uint8_t *w = c->w + g * group_bytes(k);
   for (int64_t r = 0; r < c->rows; r++) {
     const int8_t *x8 = c->x8 + r * k;
-    float acc = 0.f;
-    for (int64_t b = 0; b < blocks; b++) {
-      int32_t dot = 0;
-      for (int64_t i = b * BLOCK; i < (b + 1) * BLOCK; i++) dot += (nibble(w, k, i) - 8) * x8[i];
-      acc += half_float(d[b]) * c->sx[r * blocks + b] * (float)dot;
+    for (int i = 0; i < LANES && g * LANES + i < c->n; i++) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *rec = w + b * RECORD;
+        int32_t dot = c->zx[r * blocks + b];
+        for (int v = 0; v < 4; v++)
+          for (int j = 0; j < 4; j++) {
+            const uint8_t byte = rec[64 * v + 4 * i + j];
+            const int64_t k0 = b * BLOCK + 8 * v;
+            dot += (byte & 15) * x8[k0 + j] + (byte >> 4) * x8[k0 + 4 + j];
+          }
+        uint16_t h;
+        memcpy(&h, rec + 256 + 2 * i, sizeof(h));
+        acc = fmaf((float)dot, half_float(h) * c->sx[r * blocks + b], acc);
+      }
+      c->y[r * c->n + g * LANES + i] = acc;
     }
-    c->y[r * c->n + n] = acc;
   }
 }
 
 #if INT4_FAST
-/* Rows r0 .. r0+R-1 of x against weight row n: the weights are unpacked once for all R. */
-static inline __attribute__((always_inline)) void row_fast(const Int4Call *c, const uint8_t *w,
-                                                           int64_t n, int64_t r0, int R) {
-  const int64_t k = c->k, chunks = k / 128, blocks = k / BLOCK, pairs = k / 64;
-  const uint16_t *d = (const uint16_t *)(w + k / 2);
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  const __m512i second = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  __m512 acc[GROUP], acc2[GROUP]; /* two chains a row: an FMA's latency, not its rate, bounds one */
-  for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm512_setzero_ps();
-  for (int64_t ch = 0; ch < chunks; ch++) {
-    const __m512i v = _mm512_loadu_si512(w + 64 * ch);
-    const __m512i lo = _mm512_and_si512(v, low);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-    const __m128 dw = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(d + 4 * ch)));
-    for (int r = 0; r < R; r++) {
-      const int64_t row = r0 + r;
-      const int8_t *x8 = c->x8 + row * k + 128 * ch;
-      const int32_t *zv = c->zv + (row * pairs + 2 * ch) * 16;
-      const __m512i dl = _mm512_dpbusd_epi32(_mm512_loadu_si512(zv), lo, _mm512_loadu_si512(x8));
-      const __m512i dh =
-          _mm512_dpbusd_epi32(_mm512_loadu_si512(zv + 16), hi, _mm512_loadu_si512(x8 + 64));
-      const __m512 s4 = _mm512_castps128_ps512(
-          _mm_mul_ps(dw, _mm_loadu_ps(c->sx + row * blocks + 4 * ch)));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dl), _mm512_permutexvar_ps(first, s4), acc[r]);
-      acc2[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dh), _mm512_permutexvar_ps(second, s4), acc2[r]);
-    }
-  }
-  if (k % 128) { /* a last chunk of 64: two blocks, 32 bytes */
-    const int64_t ch = chunks, b = 4 * ch;
-    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 64 * ch));
-    const __m256i low8 = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_and_si256(v, low8);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low8);
-    for (int r = 0; r < R; r++) {
-      const int64_t row = r0 + r;
-      const int8_t *x8 = c->x8 + row * k + 128 * ch;
-      const int32_t *zv = c->zv + (row * pairs + 2 * ch) * 16;
-      const __m256i dl = _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *)zv), lo,
-                                             _mm256_loadu_si256((const __m256i *)x8));
-      const __m256i dh = _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *)(zv + 8)), hi,
-                                             _mm256_loadu_si256((const __m256i *)(x8 + 32)));
-      const float *sx = c->sx + row * blocks + b;
-      const __m256 t = _mm256_fmadd_ps(
-          _mm256_cvtepi32_ps(dh), _mm256_set1_ps(half_float(d[b + 1]) * sx[1]),
-          _mm256_mul_ps(_mm256_cvtepi32_ps(dl), _mm256_set1_ps(half_float(d[b]) * sx[0])));
-      acc[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(t));
-    }
-  }
-  for (int r = 0; r < R; r++)
-    c->y[(r0 + r) * c->n + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc2[r]));
+static inline __m512i broadcast4(const int8_t *p) {
+  int32_t v;
+  memcpy(&v, p, sizeof(v));
+  return _mm512_set1_epi32(v);
 }
 
-static void rows_fast(const Int4Call *c, int64_t n0, int64_t n1) {
-  const uint8_t *start = c->w + n0 * c->row_bytes;
-  for (int64_t o = 0; o < PREFETCH; o += 64) _mm_prefetch((const char *)(start + o), _MM_HINT_T0);
-  for (int64_t n = n0; n < n1; n++) {
-    const uint8_t *w = c->w + n * c->row_bytes;
-    if (n + 1 < c->n) /* the next 8 KB: stay ahead of the loads, past the item's end too */
-      for (int64_t o = 0; o < c->row_bytes; o += 64)
-        _mm_prefetch((const char *)(w + PREFETCH + o), _MM_HINT_T0);
-    for (int64_t r0 = 0; r0 < c->rows; r0 += GROUP) {
-      switch (c->rows - r0 < GROUP ? c->rows - r0 : GROUP) {
-        case 1: row_fast(c, w, n, r0, 1); break;
-        case 2: row_fast(c, w, n, r0, 2); break;
-        case 3: row_fast(c, w, n, r0, 3); break;
-        default: row_fast(c, w, n, r0, 4); break;
+/* Rows r0 .. r0+R-1 of x against group g: each block's weights unpacked once for all R. */
+static inline __attribute__((always_inline)) void group_fast(const Int4Call *c, int64_t g,
+                                                             int64_t r0, int R) {
+  const int64_t k = c->k, blocks = k / BLOCK;
+  const uint8_t *w = c->w + g * group_bytes(k);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[GROUP];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; b++) {
+    const uint8_t *rec = w + b * RECORD;
+    for (int o = 0; o < RECORD; o += 64) _mm_prefetch((const char *)rec + PREFETCH + o, _MM_HINT_T0);
+    __m512i lo[4], hi[4];
+    for (int v = 0; v < 4; v++) {
+      const __m512i q = _mm512_loadu_si512(rec + 64 * v);
+      lo[v] = _mm512_and_si512(q, low);
+      hi[v] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+    }
+    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 256)));
+    for (int r = 0; r < R; r++) {
+      const int64_t row = r0 + r;
+      const int8_t *xb = c->x8 + row * k + b * BLOCK;
+      /* two chains of four: vpdpbusd's latency, not its rate, would bound one of eight */
+      __m512i d0 = _mm512_set1_epi32(c->zx[row * blocks + b]), d1 = _mm512_setzero_si512();
+      for (int v = 0; v < 4; v++) {
+        d0 = _mm512_dpbusd_epi32(d0, lo[v], broadcast4(xb + 8 * v));
+        d1 = _mm512_dpbusd_epi32(d1, hi[v], broadcast4(xb + 8 * v + 4));
       }
+      const __m512 scale = _mm512_mul_ps(ws, _mm512_set1_ps(c->sx[row * blocks + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), scale, acc[r]);
     }
   }
+  const int64_t outs = c->n - g * LANES < LANES ? c->n - g * LANES : LANES;
+  const __mmask16 mask = (__mmask16)(outs >= LANES ? 0xFFFF : (1u << outs) - 1);
+  for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(c->y + (r0 + r) * c->n + g * LANES, mask, acc[r]);
+}
+
+static void groups_fast(const Int4Call *c, int64_t g0, int64_t g1) {
+  const uint8_t *start = c->w + g0 * group_bytes(c->k);
+  for (int64_t o = 0; o < PREFETCH; o += 64) _mm_prefetch((const char *)(start + o), _MM_HINT_T0);
+  for (int64_t g = g0; g < g1; g++)
+    for (int64_t r0 = 0; r0 < c->rows; r0 += GROUP) {
+      switch (c->rows - r0 < GROUP ? c->rows - r0 : GROUP) {
+        case 1: group_fast(c, g, r0, 1); break;
+        case 2: group_fast(c, g, r0, 2); break;
+        case 3: group_fast(c, g, r0, 3); break;
+        default: group_fast(c, g, r0, 4); break;
+      }
+    }
 }
 #endif
 
 static void int4_item(void *data, size_t item) {
   const Int4Call *c = (const Int4Call *)data;
-  const int64_t per = (c->n + c->items - 1) / c->items;
-  const int64_t n0 = (int64_t)item * per;
-  const int64_t n1 = n0 + per < c->n ? n0 + per : c->n;
+  const int64_t per = (c->groups + c->items - 1) / c->items;
+  const int64_t g0 = (int64_t)item * per;
+  const int64_t g1 = g0 + per < c->groups ? g0 + per : c->groups;
 #if INT4_FAST
-  rows_fast(c, n0, n1);
+  groups_fast(c, g0, g1);
 #else
-  for (int64_t n = n0; n < n1; n++) row_plain(c, c->w + n * c->row_bytes, n);
+  for (int64_t g = g0; g < g1; g++) group_plain(c, g);
 #endif
 }
 
 /* The plain loops, for the tests: y [rows, n] from x [rows, k] and packed w. */
 int dspark_int4_reference(const float *x, const uint8_t *w, float *y, int64_t rows, int64_t k,
                           int64_t n) {
-  if (k % 64 != 0 || rows < 0 || n < 0) return 0;
+  if (k % BLOCK != 0 || k < BLOCK || rows < 0 || n < 0) return 0;
   int8_t *x8 = (int8_t *)malloc((size_t)(rows * k) + 1);
   float *sx = (float *)malloc((size_t)(rows * k / BLOCK) * sizeof(float) + 4);
-  int32_t *zv = (int32_t *)malloc((size_t)(rows * k / 64 * 16) * sizeof(int32_t) + 4);
-  if (x8 == NULL || sx == NULL || zv == NULL) {
-    free(x8), free(sx), free(zv);
+  int32_t *zx = (int32_t *)malloc((size_t)(rows * k / BLOCK) * sizeof(int32_t) + 4);
+  if (x8 == NULL || sx == NULL || zx == NULL) {
+    free(x8), free(sx), free(zx);
     return 0;
   }
   for (int64_t r = 0; r < rows; r++)
-    quantize(x + r * k, k, x8 + r * k, sx + r * k / BLOCK, zv + r * k / 64 * 16);
-  const Int4Call c = {w, y, x8, sx, zv, k, n, rows, row_bytes(k), 1};
-  for (int64_t i = 0; i < n; i++) row_plain(&c, w + i * c.row_bytes, i);
-  free(x8), free(sx), free(zv);
+    quantize(x + r * k, k, x8 + r * k, sx + r * k / BLOCK, zx + r * k / BLOCK);
+  const Int4Call c = {w, y, x8, sx, zx, k, n, rows, (n + LANES - 1) / LANES, 1};
+  for (int64_t g = 0; g < c.groups; g++) group_plain(&c, g);
+  free(x8), free(sx), free(zx);
   return 1;
 }
 
@@ -234,10 +223,10 @@ static OrtStatus *int4_create(const OrtCustomOp *op, const void *api, const OrtK
   Int4Kernel *k = (Int4Kernel *)calloc(1, sizeof(Int4Kernel));
   if (k == NULL) return error("MatMulInt4: out of memory");
   if (!ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_INT64, IntAttr)(info, "K", &k->k)) ||
-      !ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_INT64, IntAttr)(info, "N", &k->n)) || k->k < 64 ||
-      k->k % 64 != 0 || k->n < 1) {
+      !ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_INT64, IntAttr)(info, "N", &k->n)) || k->k < BLOCK ||
+      k->k % BLOCK != 0 || k->n < 1) {
     free(k);
-    return error("MatMulInt4: attributes K (a multiple of 64) and N (>= 1) are needed");
+    return error("MatMulInt4: attributes K (a multiple of 32) and N (>= 1) are needed");
   }
   if (!ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_INT64, IntAttr)(info, "threads", &k->threads)) ||
       k->threads < 1)
@@ -248,14 +237,14 @@ static OrtStatus *int4_create(const OrtCustomOp *op, const void *api, const OrtK
 
 static OrtStatus *int4_compute(void *kernel, OrtKernelContext *ctx) {
   const Int4Kernel *kk = (const Int4Kernel *)kernel;
-  const int64_t k = kk->k, n = kk->n;
+  const int64_t k = kk->k, n = kk->n, groups = (n + LANES - 1) / LANES;
   Shape xs, ws;
   const float *x = (const float *)input(ctx, 0, &xs);
   const uint8_t *w = (const uint8_t *)input(ctx, 1, &ws);
   if (x == NULL || w == NULL) return error("MatMulInt4: an input is missing");
-  if (xs.rank < 1 || xs.dims[xs.rank - 1] != k || ws.rank != 2 || ws.dims[0] != n ||
-      ws.dims[1] != row_bytes(k))
-    return error("MatMulInt4: x must be [..., K] and w [N, K/2 + K/16]");
+  if (xs.rank < 1 || xs.dims[xs.rank - 1] != k || ws.rank != 3 || ws.dims[0] != groups ||
+      ws.dims[1] != k / BLOCK || ws.dims[2] != RECORD)
+    return error("MatMulInt4: x must be [..., K] and w [ceil(N/16), K/32, 288]");
   int64_t dims[MAX_RANK];
   memcpy(dims, xs.dims, xs.rank * sizeof(int64_t));
   dims[xs.rank - 1] = n;
@@ -266,19 +255,20 @@ static OrtStatus *int4_compute(void *kernel, OrtKernelContext *ctx) {
     return error("MatMulInt4: cannot create the output");
   const int64_t rows = xs.count / k;
   if (rows == 0) return NULL;
-  /* one buffer: x8, then sx, then zv (64-byte aligned pieces) */
+  /* one buffer: x8, then sx, then zx (64-byte aligned pieces) */
   const size_t x8_bytes = (size_t)(rows * k + 63) / 64 * 64;
   const size_t sx_bytes = (size_t)(rows * k / BLOCK * 4 + 63) / 64 * 64;
-  const size_t zv_bytes = (size_t)(rows * k / 64 * 16 * 4);
-  uint8_t *buffer = (uint8_t *)aligned_alloc(64, x8_bytes + sx_bytes + zv_bytes);
+  const size_t zx_bytes = (size_t)(rows * k / BLOCK * 4 + 63) / 64 * 64;
+  uint8_t *buffer = (uint8_t *)aligned_alloc(64, x8_bytes + sx_bytes + zx_bytes);
   if (buffer == NULL) return error("MatMulInt4: out of memory");
-  Int4Call c = {w, (float *)out, (const int8_t *)buffer, (const float *)(buffer + x8_bytes),
-                (const int32_t *)(buffer + x8_bytes + sx_bytes), k, n, rows, row_bytes(k), 1};
+  int8_t *x8 = (int8_t *)buffer;
+  float *sx = (float *)(buffer + x8_bytes);
+  int32_t *zx = (int32_t *)(buffer + x8_bytes + sx_bytes);
   for (int64_t r = 0; r < rows; r++)
-    quantize(x + r * k, k, (int8_t *)buffer + r * k, (float *)(buffer + x8_bytes) + r * k / BLOCK,
-             (int32_t *)(buffer + x8_bytes + sx_bytes) + r * k / 64 * 16);
-  /* one contiguous run of rows per thread: each streams its own */
-  const int64_t items = kk->threads < n ? kk->threads : n;
+    quantize(x + r * k, k, x8 + r * k, sx + r * k / BLOCK, zx + r * k / BLOCK);
+  Int4Call c = {w, (float *)out, x8, sx, zx, k, n, rows, groups, 1};
+  /* one contiguous run of groups per thread: each streams its own */
+  const int64_t items = kk->threads < groups ? kk->threads : groups;
   c.items = items;
   if (items < 2 ||
       !ok(ORT(KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(ctx, int4_item, (size_t)items, (size_t)items, &c)))
@@ -297,10 +287,9 @@ static const char *int4_name(const OrtCustomOp *op) { (void)op; return "MatMulIn
 static int int4_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 0 ? ELEM_FLOAT : ELEM_UINT8; }
 static size_t int4_input_count(const OrtCustomOp *op) { (void)op; return 2; }
 static int int4_output_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
-static size_t int4_output_count(const OrtCustomOp *op) { (void)op; return 1; }
 
 const OrtCustomOp dspark_int4_op = {
     API_VERSION, int4_create_v1, int4_name, op_cpu_provider, int4_input_type, int4_input_count,
-    int4_output_type, int4_output_count, int4_compute_v1, op_free_kernel, op_required,
+    int4_output_type, op_one_count, int4_compute_v1, op_free_kernel, op_required,
     op_required, op_required, op_one, op_one, op_one, op_one, int4_create,
     int4_compute, NULL, NULL, NULL};

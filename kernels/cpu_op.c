@@ -358,11 +358,10 @@ static const char *op_name(const OrtCustomOp *op) { (void)op; return "Speculativ
 static int input_type(const OrtCustomOp *op, size_t i) { (void)op; return i < 5 ? ELEM_FLOAT : ELEM_INT64; }
 static size_t input_count(const OrtCustomOp *op) { (void)op; return 9; }
 static int output_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
-static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
 
 static OrtCustomOp verify_op = {
     API_VERSION, create_kernel_v1, op_name, op_cpu_provider, input_type, input_count,
-    output_type, output_count, compute_v1, op_free_kernel, op_required, op_required,
+    output_type, op_one_count, compute_v1, op_free_kernel, op_required, op_required,
     op_required, op_one, op_one, op_one, op_one,
     create_kernel, compute, NULL, NULL, NULL};
 static OrtCustomOpDomain *domain;

@@ -130,7 +130,7 @@ static inline const void *input(OrtKernelContext *ctx, size_t i, Shape *shape) {
 }
 
 /* Descriptor callbacks every CPU op here shares: kernels freed with free(), the CPU provider,
-   every input and output required, each variadic field 1. */
+   every input and output required, each variadic field 1, one output. */
 static inline void op_free_kernel(void *kernel) { free(kernel); }
 static inline const char *op_cpu_provider(const OrtCustomOp *op) {
   (void)op;
@@ -138,5 +138,6 @@ static inline const char *op_cpu_provider(const OrtCustomOp *op) {
 }
 static inline int op_required(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; }
 static inline int op_one(const OrtCustomOp *op) { (void)op; return 1; }
+static inline size_t op_one_count(const OrtCustomOp *op) { (void)op; return 1; }
 
 #endif

@@ -20,7 +20,7 @@ class RuntimeEnv:
     debug: bool  # show tracebacks of internal errors
     api_key: str | None  # DSPARK_API_KEY: the server's bearer token when --api-key is not given
     cpu_op: bool  # DSPARK_CPU_OP=0: run CPU models as segments, not one session with our op
-    cpu_int4: bool  # DSPARK_CPU_INT4=0: keep a shared-cache draft's MatMulNBits (no MatMulInt4)
+    cpu_int4: bool  # DSPARK_CPU_INT4=0: keep a draft's MatMulNBits (no MatMulInt4)
     cc: str  # CC: the C compiler that builds the CPU op
 
     def __post_init__(self) -> None:

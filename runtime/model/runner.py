@@ -34,13 +34,13 @@ def cpu_model(bundle: Bundle, role: str, arena: KVArena, pool: str
               ) -> FusedModel | SegmentedModel:
     """One session with the CPU op inside when it can (float32 arena, the op built, not
     turned off by DSPARK_CPU_OP=0), else the segments with the numpy/numba attention.
-    A draft reading the main's cache (pool is not its own) runs its int4 projections as
-    MatMulInt4 where the op has its vector path (int4_rows.py; DSPARK_CPU_INT4=0: not)."""
+    A draft runs its int4 projections as MatMulInt4 where the op has its vector path
+    (int4_rows.py; DSPARK_CPU_INT4=0: not)."""
     env = read_env()
     float32 = arena.pools[pool].k[0].dtype == torch.float32
     library = op_library(kernel_cache_dir(), env.cc) if env.cpu_op and float32 else None
     if library is not None and library.path is not None:
-        int4 = env.cpu_int4 and role != "main" and pool != role and int4_fast(library.path)
+        int4 = env.cpu_int4 and role != "main" and int4_fast(library.path)
         model = FusedModel(bundle, role, arena, pool, library.path, int4_rows=int4)
         if model.int4_projections:
             log.info("%s: %d int4 projections run as MatMulInt4", role, model.int4_projections)
