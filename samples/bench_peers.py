@@ -207,6 +207,23 @@ def drive(args, count: int) -> dict:
     return summarise(runs, args)
 
 
+def ratio_interval(runs: list[dict], base: list[dict], draws: int = 2000, seed: int = 0
+                   ) -> tuple[float, float]:
+    """A 90% interval for throughput(runs) / throughput(base), the two lists paired by
+    position (the same prompt and seed): a bootstrap over the pairs. Sampled outputs differ
+    in length and speed from prompt to prompt and seed to seed (and a seed gives plain and
+    speculative decoding different samples), so a class's ratio from a few samples moves."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    counts = np.array([[len(x["tokens"]), len(y["tokens"])] for x, y in zip(runs, base)], float)
+    secs = np.array([[x["seconds"], y["seconds"]] for x, y in zip(runs, base)], float)
+    picks = rng.integers(0, len(runs), (draws, len(runs)))
+    tok, sec = counts[picks].sum(axis=1), secs[picks].sum(axis=1)
+    ratios = (tok[:, 0] / sec[:, 0]) / (tok[:, 1] / sec[:, 1])
+    return float(np.quantile(ratios, 0.05)), float(np.quantile(ratios, 0.95))
+
+
 def summarise(runs: dict[str, list[dict]], args) -> dict:
     reference = {x["name"]: x["tokens"] for x in runs["genai-plain"]}
     classes = sorted({x["class"] for x in runs["genai-plain"]})
@@ -217,8 +234,12 @@ def summarise(runs: dict[str, list[dict]], args) -> dict:
         best_peer = max(tps[m] for m in GENAI_MODES)
         for mode, xs in runs.items():
             same = all(x["tokens"] == reference[x["name"]] for x in xs if x["class"] == cls)
+            mine = [x for x in xs if x["class"] == cls]
+            plain = [x for x in runs["dsrun-plain"] if x["class"] == cls]
             rows.append({"class": cls, "mode": mode, "tps": tps[mode],
                          "vs_dsrun_plain": tps[mode] / tps["dsrun-plain"],
+                         "vs_dsrun_plain_90": (ratio_interval(mine, plain)
+                                               if args.temperature > 0 else None),
                          "vs_best_genai": tps[mode] / best_peer,
                          "same_as_genai_plain": same if args.temperature == 0 else None})
     return {"max_tokens": args.max_tokens, "repeats": args.repeats,
@@ -234,11 +255,16 @@ def format_report(report: dict) -> str:
              "it), onnxruntime-genai " + ("with it too" if report.get("peer_hugepages")
                                           else "without (as its users run it)"),
              f"{'class':<6}{'system, mode':<16}{'tok/s':>8}{'vs dsrun plain':>16}"
-             f"{'vs best genai':>15}  same as genai plain"]
+             f"{'(90% interval)':>16}{'vs best genai':>15}  same as genai plain"]
     for r in report["rows"]:
         same = {True: "yes", False: "NO", None: "-"}[r["same_as_genai_plain"]]
+        band = r.get("vs_dsrun_plain_90")
+        band = f"{band[0]:.2f}-{band[1]:.2f}" if band else "-"
         lines.append(f"{r['class']:<6}{r['mode']:<16}{r['tps']:>8.1f}{r['vs_dsrun_plain']:>15.2f}x"
-                     f"{r['vs_best_genai']:>14.2f}x  {same}")
+                     f"{band:>16}{r['vs_best_genai']:>14.2f}x  {same}")
+    if report["temperature"] > 0:
+        lines.append("sampled: the interval is a bootstrap over the class's (prompt, seed) "
+                     "pairs; more --repeats narrow it")
     return "\n".join(lines)
 
 
