@@ -1,4 +1,4 @@
-"""dsc: the DSpark compiler CLI (compile, inspect, verify)."""
+"""dsc: the DSpark compiler CLI (compile, quantize, inspect, verify)."""
 
 from __future__ import annotations
 
@@ -73,6 +73,25 @@ def compile_cmd(main: Path, draft: Path | None, out: Path, tokenizer: Path | Non
         size = sum(e["size"] for e in manifest["files"].values())
         click.echo(f"wrote {out} ({len(manifest['files'])} files, {size / 2**20:.1f} MiB) in "
                    f"{sum(progress.timings.values()):.1f}s")
+
+
+@cli.command("quantize")
+@click.argument("main", type=PathArg)
+@click.option("-o", "--output", "out", type=PathArg, required=True, help="the draft ONNX file")
+@click.option("--head-bits", type=click.Choice(["4", "8"]), default="8", show_default=True,
+              help="the LM head's bits (projections are 4)")
+@click.option("--force", is_flag=True, help="replace OUT if it exists")
+def quantize_cmd(main: Path, out: Path, head_bits: str, force: bool) -> None:
+    """A self-speculative draft from MAIN: projections in 4-bit blocks with a min (llama.cpp's
+    Q4_1 grid), the LM head at 8 bits (Q8_0); exact where MAIN's weights sit on those grids."""
+    from dspark.compiler.quantize import quantize_file
+
+    if out.exists() and not force:
+        raise click.UsageError(f"{out} exists (--force replaces it)")
+    report = quantize_file(main, out, int(head_bits))
+    click.echo(f"wrote {out}: {report.projections} projections quantized, {report.exact} of "
+               f"them exactly (weights already on the grid), head "
+               f"{report.head or 'none found'}, {report.kept} float MatMuls kept")
 
 
 @cli.command("inspect")

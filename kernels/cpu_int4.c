@@ -1,7 +1,8 @@
-/* MatMulInt4 as an onnxruntime custom op (domain ai.dspark), CPU: y = x W^T for 4-bit weights.
+/* MatMulInt4 as an onnxruntime custom op (domain ai.dspark), CPU: y = x W^T for 4-bit (or
+   8-bit) weights in blocks of 32.
 
-   What a draft model's MatMulNBits (4 bits, blocks of 32, symmetric, accuracy level 4) computes,
-   in a layout made for few input rows. A draft decode step reads ~80 MB of int4 weights right
+   What a draft model's MatMulNBits (4 or 8 bits, blocks of 32, accuracy level 4) computes, in
+   a layout made for few input rows. A draft decode step reads ~80 MB of int4 weights right
    after the main's step evicted them; onnxruntime's kernel spent ~5 ms of SmolLM2's 6.3 ms draft
    forward there. A first version of this op (one streamed run of weight rows per thread, a dot
    product and a horizontal sum per row) took the forward to 4.7 ms, but spent 2.5 ms computing
@@ -12,27 +13,32 @@
    right after a main step (runtime/model/int4_rows.py rewrites the graph, packs the groups).
 
    inputs   0 x float [..., K]
-            1 w uint8 [ceil(N/16), K/32, 288]: per group of 16 outputs, per block of 32 inputs,
-              4 vectors of 64 bytes, then the block's 16 float16 scales (zeros past N)
+            1 w uint8 [ceil(N/16), K/32, record]: per group of 16 outputs, per block of 32
+              inputs, the weight vectors (4 of 64 bytes at 4 bits, 8 at 8), then the block's
+              16 float16 scales, then with mins its 16 float16 mins (zeros past N)
    output   0 y float [..., N]
    attrs    K, N (int; K a multiple of 32), threads (int, default 1: the groups are split in
-            that many runs over onnxruntime's intra-op pool)
+            that many runs over onnxruntime's intra-op pool), bits (4 or 8, default 4), mins
+            (0 or 1, default 0)
 
-   Vector v (0..3) of block b holds inputs k0 = 32b + 8v .. k0 + 7 of the group's 16 rows:
-   bytes 4i .. 4i+3 are row i's, byte 4i + j has input k0 + j in its low nibble and k0 + 4 + j
-   in its high nibble, so one vpdpbusd multiplies 16 rows by 4 broadcast inputs. A weight is
-   scale * (nibble - 8), MatMulNBits' symmetric 4-bit with its default zero point; its float32
-   scales are stored as float16 (2^-11 relative, against int4's 1/16 steps). Arithmetic as
-   MatMulNBits' accuracy level 4: each row of x is quantized to int8 per block of 32 (scale
-   max|x| / 127), a block's dot product is exact in int32 (the zero point enters as -8 times the
-   block's input sum), and blocks are summed in float32, in order, one fused multiply-add each.
-   Not MatMulNBits' order, so results agree to rounding, not bits: a draft's proposals only
-   (the main verifies every token), never a main's arithmetic.
+   At 4 bits vector v (0..3) of a block holds inputs k0 = 32b + 8v .. k0 + 7 of the group's 16
+   rows: bytes 4i .. 4i+3 are row i's, byte 4i + j has input k0 + j in its low nibble and
+   k0 + 4 + j in its high nibble, so one vpdpbusd multiplies 16 rows by 4 broadcast inputs. At
+   8 bits vector v (0..7) holds inputs 32b + 4v .. +3, one byte each. Without mins a weight is
+   scale * (stored - zero), zero 8 at 4 bits (MatMulNBits' symmetric default) and 128 at 8;
+   with mins it is scale * stored + min (llama.cpp's Q4_1: a model whose weights came from such
+   a file is held exactly, see int4_rows.py). Scales and mins are float16 (2^-11 relative).
+   Arithmetic as MatMulNBits' accuracy level 4: each row of x is quantized to int8 per block
+   of 32 (scale max|x| / 127), a block's dot product is exact in int32 (a zero point enters as
+   -zero times the block's input sum, a min as min times that sum, scaled), and blocks are
+   summed in float32, in order, one fused multiply-add each (two with mins). Not MatMulNBits'
+   order, so results agree to rounding, not bits: a draft's proposals only (the main verifies
+   every token), never a main's arithmetic.
 
-   With AVX-512 VNNI (dspark_int4_fast() = 1) a block is 4 loads, 8 nibble masks and, per row
-   of x (up to 4 per pass over the weights), 8 vpdpbusd on broadcast inputs; elsewhere plain
-   loops compute the same blocks, in the same order (the runtime only rewrites graphs where the
-   fast path is built). */
+   With AVX-512 VNNI (dspark_int4_fast() = 1) a block is 4 or 8 loads (and 8 nibble masks)
+   and, per row of x (up to 4 per pass over the weights), 8 vpdpbusd on broadcast inputs;
+   elsewhere plain loops compute the same blocks, in the same order (the runtime only rewrites
+   graphs where the fast path is built). */
 
 #include <math.h>
 #include <stdlib.h>
@@ -47,26 +53,34 @@
 #define INT4_FAST 0
 #endif
 
-enum { BLOCK = 32, LANES = 16, RECORD = 288, GROUP = 4, PREFETCH = 8192 };
+enum { BLOCK = 32, LANES = 16, GROUP = 4, PREFETCH = 8192 };
 
 int dspark_int4_fast(void) { return INT4_FAST; }
 
+/* A record's bytes: its weight vectors (4 at 4 bits, 8 at 8), 16 float16 scales, and with
+   mins 16 float16 mins. */
+static int64_t record_bytes(int64_t bits, int64_t mins) { return 64 * bits + 32 + 32 * mins; }
+
 typedef struct {
-  int64_t k, n, threads;
+  int64_t k, n, threads, bits, mins;
 } Int4Kernel;
 
 /* One call: x quantized (x8 [rows, K] int8, sx [rows, K/32] its scales, zx [rows, K/32] each
-   block's zero-point term -8 * sum of its int8 inputs). */
+   block's sum of int8 inputs). */
 typedef struct {
   const uint8_t *w;
   float *y;
   const int8_t *x8;
   const float *sx;
   const int32_t *zx;
-  int64_t k, n, rows, groups, items;
+  int64_t k, n, rows, groups, items, bits, mins;
 } Int4Call;
 
-static int64_t group_bytes(int64_t k) { return k / BLOCK * RECORD; }
+static int64_t record_of(const Int4Call *c) { return record_bytes(c->bits, c->mins); }
+static int64_t group_bytes(const Int4Call *c) { return c->k / BLOCK * record_of(c); }
+/* The weights' zero point: a block's dot product starts at -zero * (its input sum); with mins
+   the stored values are the weights' offsets from the block's min, which enters by itself. */
+static int32_t zero_of(const Int4Call *c) { return c->mins ? 0 : c->bits == 4 ? 8 : 128; }
 
 /* IEEE half to float, exactly (what F16C's vcvtph2ps gives). */
 static inline float half_float(uint16_t h) {
@@ -84,6 +98,12 @@ static inline float half_float(uint16_t h) {
   return f;
 }
 
+static float half_at(const uint8_t *p) {
+  uint16_t h;
+  memcpy(&h, p, sizeof(h));
+  return half_float(h);
+}
+
 static void quantize(const float *x, int64_t k, int8_t *x8, float *sx, int32_t *zx) {
   for (int64_t b = 0; b < k / BLOCK; b++) {
     const float *xb = x + b * BLOCK;
@@ -97,30 +117,33 @@ static void quantize(const float *x, int64_t k, int8_t *x8, float *sx, int32_t *
       sum += v;
     }
     sx[b] = amax / 127.f;
-    zx[b] = -8 * sum;
+    zx[b] = sum;
   }
+}
+
+/* Row i's stored weight for input j (0..31) of a block record. */
+static int32_t stored(const uint8_t *rec, int64_t bits, int i, int j) {
+  if (bits == 8) return rec[64 * (j / 4) + 4 * i + j % 4];
+  const uint8_t byte = rec[64 * (j / 8) + 4 * i + j % 4];
+  return j % 8 < 4 ? byte & 15 : byte >> 4;
 }
 
 /* Group g against every row of x, plain loops: the same blocks, in the same order. */
 static void group_plain(const Int4Call *c, int64_t g) {
-  const int64_t k = c->k, blocks = k / BLOCK;
-  const uint8_t *w = c->w + g * group_bytes(k);
+  const int64_t k = c->k, blocks = k / BLOCK, record = record_of(c);
+  const uint8_t *w = c->w + g * group_bytes(c);
   for (int64_t r = 0; r < c->rows; r++) {
     const int8_t *x8 = c->x8 + r * k;
     for (int i = 0; i < LANES && g * LANES + i < c->n; i++) {
       float acc = 0.f;
       for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *rec = w + b * RECORD;
-        int32_t dot = c->zx[r * blocks + b];
-        for (int v = 0; v < 4; v++)
-          for (int j = 0; j < 4; j++) {
-            const uint8_t byte = rec[64 * v + 4 * i + j];
-            const int64_t k0 = b * BLOCK + 8 * v;
-            dot += (byte & 15) * x8[k0 + j] + (byte >> 4) * x8[k0 + 4 + j];
-          }
-        uint16_t h;
-        memcpy(&h, rec + 256 + 2 * i, sizeof(h));
-        acc = fmaf((float)dot, half_float(h) * c->sx[r * blocks + b], acc);
+        const uint8_t *rec = w + b * record;
+        const int32_t sum = c->zx[r * blocks + b];
+        int32_t dot = -zero_of(c) * sum;
+        for (int j = 0; j < BLOCK; j++) dot += stored(rec, c->bits, i, j) * x8[b * BLOCK + j];
+        const float sx = c->sx[r * blocks + b];
+        acc = fmaf((float)dot, half_at(rec + 64 * c->bits + 2 * i) * sx, acc);
+        if (c->mins) acc = fmaf(half_at(rec + 64 * c->bits + 32 + 2 * i), sx * (float)sum, acc);
       }
       c->y[r * c->n + g * LANES + i] = acc;
     }
@@ -134,35 +157,48 @@ static inline __m512i broadcast4(const int8_t *p) {
   return _mm512_set1_epi32(v);
 }
 
-/* Rows r0 .. r0+R-1 of x against group g: each block's weights unpacked once for all R. */
+/* Rows r0 .. r0+R-1 of x against group g: each block's weights loaded (and at 4 bits
+   unpacked) once for all R. BITS and MINS are constants in every call. */
 static inline __attribute__((always_inline)) void group_fast(const Int4Call *c, int64_t g,
-                                                             int64_t r0, int R) {
-  const int64_t k = c->k, blocks = k / BLOCK;
-  const uint8_t *w = c->w + g * group_bytes(k);
+                                                             int64_t r0, int R, const int BITS,
+                                                             const int MINS) {
+  const int64_t k = c->k, blocks = k / BLOCK, record = record_bytes(BITS, MINS);
+  const int32_t zero = MINS ? 0 : BITS == 4 ? 8 : 128;
+  const uint8_t *w = c->w + g * group_bytes(c);
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[GROUP];
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; b++) {
-    const uint8_t *rec = w + b * RECORD;
-    for (int o = 0; o < RECORD; o += 64) _mm_prefetch((const char *)rec + PREFETCH + o, _MM_HINT_T0);
-    __m512i lo[4], hi[4];
-    for (int v = 0; v < 4; v++) {
-      const __m512i q = _mm512_loadu_si512(rec + 64 * v);
-      lo[v] = _mm512_and_si512(q, low);
-      hi[v] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+    const uint8_t *rec = w + b * record;
+    for (int o = 0; o < record; o += 64) _mm_prefetch((const char *)rec + PREFETCH + o, _MM_HINT_T0);
+    /* vector v holds inputs 4v .. 4v+3 of the block for the 16 rows */
+    __m512i q[8];
+    if (BITS == 4) {
+      for (int v = 0; v < 4; v++) {
+        const __m512i packed = _mm512_loadu_si512(rec + 64 * v);
+        q[2 * v] = _mm512_and_si512(packed, low);
+        q[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+      }
+    } else {
+      for (int v = 0; v < 8; v++) q[v] = _mm512_loadu_si512(rec + 64 * v);
     }
-    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 256)));
+    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 64 * BITS)));
+    __m512 ms = _mm512_setzero_ps();
+    if (MINS) ms = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 64 * BITS + 32)));
     for (int r = 0; r < R; r++) {
       const int64_t row = r0 + r;
       const int8_t *xb = c->x8 + row * k + b * BLOCK;
+      const int32_t sum = c->zx[row * blocks + b];
       /* two chains of four: vpdpbusd's latency, not its rate, would bound one of eight */
-      __m512i d0 = _mm512_set1_epi32(c->zx[row * blocks + b]), d1 = _mm512_setzero_si512();
-      for (int v = 0; v < 4; v++) {
-        d0 = _mm512_dpbusd_epi32(d0, lo[v], broadcast4(xb + 8 * v));
-        d1 = _mm512_dpbusd_epi32(d1, hi[v], broadcast4(xb + 8 * v + 4));
+      __m512i d0 = _mm512_set1_epi32(-zero * sum), d1 = _mm512_setzero_si512();
+      for (int v = 0; v < 8; v += 2) {
+        d0 = _mm512_dpbusd_epi32(d0, q[v], broadcast4(xb + 4 * v));
+        d1 = _mm512_dpbusd_epi32(d1, q[v + 1], broadcast4(xb + 4 * v + 4));
       }
-      const __m512 scale = _mm512_mul_ps(ws, _mm512_set1_ps(c->sx[row * blocks + b]));
+      const float sx = c->sx[row * blocks + b];
+      const __m512 scale = _mm512_mul_ps(ws, _mm512_set1_ps(sx));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), scale, acc[r]);
+      if (MINS) acc[r] = _mm512_fmadd_ps(ms, _mm512_set1_ps(sx * (float)sum), acc[r]);
     }
   }
   const int64_t outs = c->n - g * LANES < LANES ? c->n - g * LANES : LANES;
@@ -170,18 +206,27 @@ static inline __attribute__((always_inline)) void group_fast(const Int4Call *c, 
   for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(c->y + (r0 + r) * c->n + g * LANES, mask, acc[r]);
 }
 
-static void groups_fast(const Int4Call *c, int64_t g0, int64_t g1) {
-  const uint8_t *start = c->w + g0 * group_bytes(c->k);
-  for (int64_t o = 0; o < PREFETCH; o += 64) _mm_prefetch((const char *)(start + o), _MM_HINT_T0);
+static inline __attribute__((always_inline)) void groups_of(const Int4Call *c, int64_t g0,
+                                                            int64_t g1, const int BITS,
+                                                            const int MINS) {
   for (int64_t g = g0; g < g1; g++)
     for (int64_t r0 = 0; r0 < c->rows; r0 += GROUP) {
       switch (c->rows - r0 < GROUP ? c->rows - r0 : GROUP) {
-        case 1: group_fast(c, g, r0, 1); break;
-        case 2: group_fast(c, g, r0, 2); break;
-        case 3: group_fast(c, g, r0, 3); break;
-        default: group_fast(c, g, r0, 4); break;
+        case 1: group_fast(c, g, r0, 1, BITS, MINS); break;
+        case 2: group_fast(c, g, r0, 2, BITS, MINS); break;
+        case 3: group_fast(c, g, r0, 3, BITS, MINS); break;
+        default: group_fast(c, g, r0, 4, BITS, MINS); break;
       }
     }
+}
+
+static void groups_fast(const Int4Call *c, int64_t g0, int64_t g1) {
+  const uint8_t *start = c->w + g0 * group_bytes(c);
+  for (int64_t o = 0; o < PREFETCH; o += 64) _mm_prefetch((const char *)(start + o), _MM_HINT_T0);
+  if (c->bits == 4 && !c->mins) groups_of(c, g0, g1, 4, 0);
+  else if (c->bits == 4) groups_of(c, g0, g1, 4, 1);
+  else if (!c->mins) groups_of(c, g0, g1, 8, 0);
+  else groups_of(c, g0, g1, 8, 1);
 }
 #endif
 
@@ -199,8 +244,10 @@ static void int4_item(void *data, size_t item) {
 
 /* The plain loops, for the tests: y [rows, n] from x [rows, k] and packed w. */
 int dspark_int4_reference(const float *x, const uint8_t *w, float *y, int64_t rows, int64_t k,
-                          int64_t n) {
-  if (k % BLOCK != 0 || k < BLOCK || rows < 0 || n < 0) return 0;
+                          int64_t n, int64_t bits, int64_t mins) {
+  if (k % BLOCK != 0 || k < BLOCK || rows < 0 || n < 0 || (bits != 4 && bits != 8) ||
+      (mins != 0 && mins != 1))
+    return 0;
   int8_t *x8 = (int8_t *)malloc((size_t)(rows * k) + 1);
   float *sx = (float *)malloc((size_t)(rows * k / BLOCK) * sizeof(float) + 4);
   int32_t *zx = (int32_t *)malloc((size_t)(rows * k / BLOCK) * sizeof(int32_t) + 4);
@@ -210,7 +257,7 @@ int dspark_int4_reference(const float *x, const uint8_t *w, float *y, int64_t ro
   }
   for (int64_t r = 0; r < rows; r++)
     quantize(x + r * k, k, x8 + r * k, sx + r * k / BLOCK, zx + r * k / BLOCK);
-  const Int4Call c = {w, y, x8, sx, zx, k, n, rows, (n + LANES - 1) / LANES, 1};
+  const Int4Call c = {w, y, x8, sx, zx, k, n, rows, (n + LANES - 1) / LANES, 1, bits, mins};
   for (int64_t g = 0; g < c.groups; g++) group_plain(&c, g);
   free(x8), free(sx), free(zx);
   return 1;
@@ -232,6 +279,12 @@ static OrtStatus *int4_create(const OrtCustomOp *op, const void *api, const OrtK
   if (!ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_INT64, IntAttr)(info, "threads", &k->threads)) ||
       k->threads < 1)
     k->threads = 1;
+  if (!ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_INT64, IntAttr)(info, "bits", &k->bits))) k->bits = 4;
+  if (!ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_INT64, IntAttr)(info, "mins", &k->mins))) k->mins = 0;
+  if ((k->bits != 4 && k->bits != 8) || (k->mins != 0 && k->mins != 1)) {
+    free(k);
+    return error("MatMulInt4: bits must be 4 or 8 and mins 0 or 1");
+  }
   *kernel = k;
   return NULL;
 }
@@ -239,13 +292,15 @@ static OrtStatus *int4_create(const OrtCustomOp *op, const void *api, const OrtK
 static OrtStatus *int4_compute(void *kernel, OrtKernelContext *ctx) {
   const Int4Kernel *kk = (const Int4Kernel *)kernel;
   const int64_t k = kk->k, n = kk->n, groups = (n + LANES - 1) / LANES;
+  const int64_t record = record_bytes(kk->bits, kk->mins);
   Shape xs, ws;
   const float *x = (const float *)input(ctx, 0, &xs);
   const uint8_t *w = (const uint8_t *)input(ctx, 1, &ws);
   if (x == NULL || w == NULL) return error("MatMulInt4: an input is missing");
   if (xs.rank < 1 || xs.dims[xs.rank - 1] != k || ws.rank != 3 || ws.dims[0] != groups ||
-      ws.dims[1] != k / BLOCK || ws.dims[2] != RECORD)
-    return error("MatMulInt4: x must be [..., K] and w [ceil(N/16), K/32, 288]");
+      ws.dims[1] != k / BLOCK || ws.dims[2] != record)
+    return error("MatMulInt4: x must be [..., K] and w [ceil(N/16), K/32, record] (record: "
+                 "288 bytes at 4 bits, 544 at 8, 32 more with mins)");
   int64_t dims[MAX_RANK];
   memcpy(dims, xs.dims, xs.rank * sizeof(int64_t));
   dims[xs.rank - 1] = n;
@@ -267,7 +322,7 @@ static OrtStatus *int4_compute(void *kernel, OrtKernelContext *ctx) {
   int32_t *zx = (int32_t *)(buffer + x8_bytes + sx_bytes);
   for (int64_t r = 0; r < rows; r++)
     quantize(x + r * k, k, x8 + r * k, sx + r * k / BLOCK, zx + r * k / BLOCK);
-  Int4Call c = {w, (float *)out, x8, sx, zx, k, n, rows, groups, 1};
+  Int4Call c = {w, (float *)out, x8, sx, zx, k, n, rows, groups, 1, kk->bits, kk->mins};
   /* one contiguous run of groups per thread: each streams its own */
   const int64_t items = kk->threads < groups ? kk->threads : groups;
   c.items = items;

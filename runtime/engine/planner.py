@@ -5,13 +5,13 @@
               batch cap; lookup cap = the lookup's max within the request/tenant caps.
               A hybrid slot's model window is the most the hybrid may draft; its cost
               model picks how many (0 included). Under an adaptive policy it is at least
-              `drafting.hybrid_min_window` (4): DWC's late window is 2 on a 2-core CPU
-              (its rules scaled to the device row's 3), and once the int4 draft cost a
-              fifth of a main step (MatMulInt4) a floor of 4 measured chat -0-5%, code
-              +1-9%, edit +1-7% over it (interleaved, 2 runs each, greedy and t=0.7).
-              Offering the whole cap (6) over-predicts long windows (the most optimistic
-              of noisy estimates wins): code 1.46x -> 1.48-1.54x of plain but edit 1.55x
-              -> 1.47-1.51x when it was measured, with the costlier draft.
+              `drafting.hybrid_min_window` (8, so the whole cap): DWC's late window is
+              small on a 2-core CPU (its rules scaled to the device row's 4), and the
+              hybrid's own survival estimates decide better. With the int4 draft of 76%
+              greedy agreement a floor of 4 under a cap of 6 measured best (offering all 6
+              over-predicted long windows: edit 1.55x -> 1.47-1.51x); with the draft that
+              holds the main's weights exactly (94-97%) the whole cap of 8 measured chat
+              +3-6%, code +13-18%, edit +3-4% over that (interleaved, greedy and t=0.7).
     balance   VLB's fast + steady lanes; then, where the policy models survival (goodput) or
               a lookup proposed, the slots across the batch that maximise expected tokens
               per second of the verify (select_slots)

@@ -11,9 +11,10 @@ when the fused session is built (runtime/model/fused.py), on the bundle's MatMul
 compiler left them; the bundle is unchanged and other executors (segments, CUDA) never see
 the op.
 
-Rewritten: MatMulNBits with 4 bits, blocks of 32, accuracy level 4 (int8 arithmetic, which
-MatMulInt4 does too), no zero points, group index or bias, K a multiple of 32, weights and
-scales stored as initializers. Anything else stays as it is. Only drafts: a main's arithmetic
+Rewritten: MatMulNBits with 4 or 8 bits, blocks of 32, accuracy level 4 (int8 arithmetic, which
+MatMulInt4 does too), no group index or bias, K a multiple of 32, weights, scales and zero
+points (if any: uint8 or float, the op's mins) stored as initializers. Anything else stays as it
+is. Only drafts: a main's arithmetic
 is what its output is, and MatMulInt4 sums in another order than MatMulNBits.
 """
 
@@ -31,24 +32,45 @@ BLOCK = 32
 LANES = 16  # outputs per group
 
 
-def pack_groups(b: np.ndarray, scales: np.ndarray, k: int, n: int) -> np.ndarray:
-    """MatMulNBits' B ([N, K/32, 16] uint8: input 2i in a byte's low nibble, 2i+1 in its
-    high) and scales ([N * K/32] float32) as MatMulInt4's groups [ceil(N/16), K/32, 288]
-    (cpu_int4.c: per block, 4 vectors whose lane i holds row i's inputs 8v .. 8v+7, input
-    8v + j in byte j's low nibble and 8v + 4 + j in its high one; then the 16 rows' scales as
-    float16). Rows past N are zeros."""
+def unpack(b: np.ndarray, k: int, n: int, bits: int) -> np.ndarray:
+    """MatMulNBits' B ([N, K/32, 16] uint8 at 4 bits: input 2i in a byte's low nibble, 2i+1 in
+    its high; [N, K/32, 32] at 8) as the stored values [N, K] (uint8)."""
+    if bits == 8:
+        return np.asarray(b, np.uint8).reshape(n, k)
     pairs = np.asarray(b, np.uint8).reshape(n, k // 2)
+    q = np.empty((n, k), np.uint8)
+    q[:, 0::2], q[:, 1::2] = pairs & 15, pairs >> 4
+    return q
+
+
+def _halves(values: np.ndarray, groups: int, n: int, blocks: int) -> np.ndarray:
+    """[N * K/32] values as float16 [groups, blocks, 16] (rows past N zeros), as bytes."""
+    halves = np.zeros((groups * LANES, blocks), "<f2")
+    halves[:n] = np.asarray(values, np.float32).reshape(n, blocks)
+    halves = np.ascontiguousarray(halves.reshape(groups, LANES, blocks).transpose(0, 2, 1))
+    return halves.view(np.uint8)
+
+
+def pack_groups(b: np.ndarray, scales: np.ndarray, k: int, n: int, bits: int = 4,
+                mins: np.ndarray | None = None) -> np.ndarray:
+    """MatMulNBits' B (see unpack) and scales ([N * K/32] float32), and with `mins` the
+    blocks' mins ([N * K/32]: weight = scale * stored + min), as MatMulInt4's groups
+    [ceil(N/16), K/32, record] (cpu_int4.c). At 4 bits, per block 4 vectors whose lane i holds
+    row i's inputs 8v .. 8v+7, input 8v + j in byte j's low nibble and 8v + 4 + j in its high
+    one; at 8 bits 8 vectors whose lane i holds row i's inputs 4v .. 4v+3. Then the 16 rows'
+    scales as float16, then their mins. Rows past N are zeros."""
     groups, blocks = -(-n // LANES), k // BLOCK
     q = np.zeros((groups * LANES, k), np.uint8)
-    q[:n, 0::2] = pairs & 15
-    q[:n, 1::2] = pairs >> 4
-    q = q.reshape(groups, LANES, blocks, 4, 2, 4)  # group, lane, block, vector, half, byte
-    nibbles = (q[..., 0, :] | (q[..., 1, :] << 4)).transpose(0, 2, 3, 1, 4)
-    halves = np.zeros((groups * LANES, blocks), "<f2")
-    halves[:n] = np.asarray(scales, np.float32).reshape(n, blocks)
-    halves = np.ascontiguousarray(halves.reshape(groups, LANES, blocks).transpose(0, 2, 1))
-    return np.ascontiguousarray(np.concatenate(
-        [nibbles.reshape(groups, blocks, 256), halves.view(np.uint8)], axis=2))
+    q[:n] = unpack(b, k, n, bits)
+    if bits == 8:  # group, lane, block, vector, byte
+        vectors = q.reshape(groups, LANES, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
+    else:  # group, lane, block, vector, half, byte
+        q = q.reshape(groups, LANES, blocks, 4, 2, 4)
+        vectors = (q[..., 0, :] | (q[..., 1, :] << 4)).transpose(0, 2, 3, 1, 4)
+    parts = [vectors.reshape(groups, blocks, 64 * bits), _halves(scales, groups, n, blocks)]
+    if mins is not None:
+        parts.append(_halves(mins, groups, n, blocks))
+    return np.ascontiguousarray(np.concatenate(parts, axis=2))
 
 
 def initializer_array(tensor: onnx.TensorProto, folder: Path) -> np.ndarray:
@@ -79,22 +101,51 @@ def _eligible(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]) -
     inputs = list(node.input)
     while inputs and not inputs[-1]:
         inputs.pop()
-    return (len(inputs) == 3 and inputs[1] in initializers and inputs[2] in initializers
-            and attrs.get("bits", 4) == 4 and attrs.get("block_size") == BLOCK
+    return (len(inputs) in (3, 4) and all(name in initializers for name in inputs[1:])
+            and attrs.get("bits", 4) in (4, 8) and attrs.get("block_size") == BLOCK
             and attrs.get("accuracy_level", 0) == 4 and attrs.get("K", 0) % BLOCK == 0
             and attrs.get("K", 0) > 0 and attrs.get("N", 0) > 0)
 
 
-def _halves_hold(scales: np.ndarray) -> bool:
-    """float16 keeps every scale to 2^-11 (normal range; zero stays zero)."""
-    mags = np.abs(np.asarray(scales, np.float32))
+def _halves_hold(values: np.ndarray) -> bool:
+    """float16 keeps every value to 2^-11 (normal range; zero stays zero)."""
+    mags = np.abs(np.asarray(values, np.float32))
     return bool(np.all(mags < 65000) and np.all((mags == 0) | (mags >= 2.0 ** -14)))
+
+
+def _mins_hold(mins: np.ndarray) -> bool:
+    """float16 keeps every min to 2^-11 relative, or to 2^-25 absolute where it is tiny: far
+    below any scale _halves_hold keeps."""
+    return bool(np.all(np.abs(np.asarray(mins, np.float32)) < 65000))
+
+
+def block_mins(zero_points: np.ndarray | None, scales: np.ndarray, bits: int, n: int,
+               blocks: int) -> np.ndarray | None:
+    """MatMulNBits' zero points as the blocks' mins (weight = scale * (stored - zp) = scale *
+    stored + min, min = -zp * scale), None where they are the default (8 at 4 bits, 128 at 8).
+    uint8 zero points are packed like B (two per byte at 4 bits, low nibble first, each row's
+    padded to a byte); float ones are one per block."""
+    if zero_points is None:
+        return None
+    if zero_points.dtype == np.uint8:
+        if bits == 4:
+            packed = zero_points.reshape(n, -1)
+            zp = np.empty((n, packed.shape[1] * 2), np.uint8)
+            zp[:, 0::2], zp[:, 1::2] = packed & 15, packed >> 4
+            zp = zp[:, :blocks]
+        else:
+            zp = zero_points.reshape(n, blocks)
+        if np.all(zp == (8 if bits == 4 else 128)):
+            return None
+    zp = np.asarray(zero_points if zero_points.dtype != np.uint8 else zp, np.float32)
+    return (-zp.reshape(-1) * np.asarray(scales, np.float32).reshape(-1)).astype(np.float32)
 
 
 def rewrite_int4(model: onnx.ModelProto, folder: Path, threads: int) -> int:
     """Every eligible MatMulNBits of `model` (its external data under `folder`) becomes a
     MatMulInt4 reading packed groups, held in the model, split over `threads`; the
-    count rewritten. A projection whose scales float16 cannot hold stays MatMulNBits."""
+    count rewritten. A projection whose scales or mins float16 cannot hold stays
+    MatMulNBits."""
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     done, replaced = 0, set()
@@ -102,17 +153,21 @@ def rewrite_int4(model: onnx.ModelProto, folder: Path, threads: int) -> int:
         if not _eligible(node, initializers):
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        k, n = int(attrs["K"]), int(attrs["N"])
+        k, n, bits = int(attrs["K"]), int(attrs["N"]), int(attrs.get("bits", 4))
         b = initializer_array(initializers[node.input[1]], folder)
         scales = initializer_array(initializers[node.input[2]], folder)
-        if not _halves_hold(scales):
+        zero_points = (initializer_array(initializers[node.input[3]], folder)
+                       if len(node.input) > 3 and node.input[3] else None)
+        mins = block_mins(zero_points, scales, bits, n, k // BLOCK)
+        if not _halves_hold(scales) or (mins is not None and not _mins_hold(mins)):
             continue
         rows_name = f"{node.output[0]}/int4_groups"  # output names are unique in a graph
-        graph.initializer.append(numpy_helper.from_array(pack_groups(b, scales, k, n),
-                                                         rows_name))
-        replaced.update(node.input[1:3])
+        graph.initializer.append(numpy_helper.from_array(
+            pack_groups(b, scales, k, n, bits, mins), rows_name))
+        replaced.update(name for name in node.input[1:] if name)
         new = helper.make_node(OP, [node.input[0], rows_name], list(node.output), name=node.name,
-                               domain=DOMAIN, K=k, N=n, threads=threads)
+                               domain=DOMAIN, K=k, N=n, threads=threads, bits=bits,
+                               mins=int(mins is not None))
         node.CopyFrom(new)
         done += 1
     if done:
