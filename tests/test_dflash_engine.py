@@ -175,6 +175,31 @@ def test_first_and_later_draft_forwards_are_costed_apart(compiled):
     assert engine.costs.table[DRAFT_STEP] and engine.costs.table[AFTER_DRAFT]
 
 
+def test_hybrid_floor_follows_how_often_the_drafts_hold(compiled):
+    """The whole hybrid_min_window while the draft's tokens hold (>= 85% of the drafts that
+    were reached), 4 once they do not; a new sequence starts at the threshold (long)."""
+    from dspark.runtime.sequence.request import Sequence
+
+    engine = Engine(open_bundle(compiled[("llama", "classic")]), None, None)
+    floor = engine.planner.hybrid_floor
+    long = engine.config.drafting.hybrid_min_window
+    assert long == 8
+    fresh, good, poor = (Sequence(i, GenerationRequest((1, 2, 3), 64)) for i in range(3))
+    assert floor(fresh) == long
+    for _ in range(10):  # 8 drafts a round: 7 hold, the 8th is rejected
+        good.stats.record_sources(["draft"] * 8, 7)
+        poor.stats.record_sources(["draft"] * 8, 1)  # the second of each round is rejected
+    assert floor(good) == long and floor(poor) == 4
+    # drafts past a rejection count as not reached, not as rejected: a long window's tail
+    tail = Sequence(3, GenerationRequest((1, 2, 3), 64))
+    for _ in range(10):  # 6 of the 7 reached held (0.86), 6 of the 8 verified (0.75)
+        tail.stats.record_sources(["draft"] * 8, 6)
+    assert floor(tail) == long
+    lookup_only = Sequence(4, GenerationRequest((1, 2, 3), 64))
+    lookup_only.stats.record_sources(["lookup"] * 8, 0)
+    assert floor(lookup_only) == long  # only the draft model's tokens count
+
+
 def test_hybrid_is_offered_at_least_its_min_window(compiled):
     """On a device row of 2, DWC's windows are 1-2 after the first rounds (late: 3 scaled by
     2/4; degraded: 2 scaled); a hybrid slot is offered `hybrid_min_window` within the device

@@ -5,13 +5,16 @@
               batch cap; lookup cap = the lookup's max within the request/tenant caps.
               A hybrid slot's model window is the most the hybrid may draft; its cost
               model picks how many (0 included). Under an adaptive policy it is at least
-              `drafting.hybrid_min_window` (8, so the whole cap): DWC's late window is
-              small on a 2-core CPU (its rules scaled to the device row's 4), and the
-              hybrid's own survival estimates decide better. With the int4 draft of 76%
-              greedy agreement a floor of 4 under a cap of 6 measured best (offering all 6
-              over-predicted long windows: edit 1.55x -> 1.47-1.51x); with the draft that
-              holds the main's weights exactly (94-97%) the whole cap of 8 measured chat
-              +3-6%, code +13-18%, edit +3-4% over that (interleaved, greedy and t=0.7).
+              a floor: DWC's late window is small on a 2-core CPU (its rules scaled to the
+              device row's 4), and the hybrid's own survival estimates decide better. While
+              the draft's tokens hold on the sequence (>= LONG_ACCEPTANCE of them) the floor
+              is `drafting.hybrid_min_window` (8: the whole cap); with the draft that holds
+              the main's weights exactly (dsc quantize, 94-97% held) that measured chat
+              +3-6%, code +13-18%, edit +3-4% over a floor of 4 under a cap of 6
+              (interleaved, greedy and t=0.7). Else SHORT_FLOOR (4): with onnxruntime's
+              symmetric int4 draft (69-76% held) the whole cap measured chat and code -7%
+              sampled (edit +5%, greedy -1-3%), as it over-predicts long windows (the most
+              optimistic of noisy estimates wins).
     balance   VLB's fast + steady lanes; then, where the policy models survival (goodput) or
               a lookup proposed, the slots across the batch that maximise expected tokens
               per second of the verify (select_slots)
@@ -31,6 +34,9 @@ from dspark.runtime.model.costs import CostModel
 from dspark.runtime.sequence.request import Sequence
 
 NO_CAP = 64
+LONG_ACCEPTANCE = 0.85  # a draft whose tokens hold this often is offered hybrid_min_window
+SHORT_FLOOR = 4  # else at least this (the floor measured best for a 70-80% draft)
+PRIOR_DRAFTS = 4  # the threshold counts as this many drafts before a sequence's own
 
 
 class WindowPlanner:
@@ -81,6 +87,18 @@ class WindowPlanner:
         device = self.resources.window_cap if self.device_cap else NO_CAP
         return max(0, min(self.config.window.max_window, tenant, left, device))
 
+    def hybrid_floor(self, seq: Sequence) -> int:
+        """The least model window a hybrid slot is offered: `drafting.hybrid_min_window` while
+        the draft model's tokens hold on this sequence, else SHORT_FLOOR (see the module
+        doc). The estimate starts at the threshold and follows the sequence's own drafts."""
+        src = seq.stats.sources.get("draft")
+        # per draft reached (every draft before it held), not per draft verified: a long
+        # window's drafts past a rejection would read as rejected
+        reached, accepted = (sum(src.reached_at), src.accepted) if src is not None else (0, 0)
+        held = (accepted + PRIOR_DRAFTS * LONG_ACCEPTANCE) / (reached + PRIOR_DRAFTS)
+        long = self.config.drafting.hybrid_min_window
+        return long if held >= LONG_ACCEPTANCE else min(long, SHORT_FLOOR)
+
     def lookup_cap(self, seq: Sequence) -> int:
         tenant, left = self._caps(seq)
         return max(0, min(self.config.drafting.lookup.max_tokens, tenant, left))
@@ -108,7 +126,7 @@ class WindowPlanner:
             if method != "lookup":
                 window = self.policy(s.seq.tenant).window(self.view(s.seq))
                 if method == "hybrid" and self.policy_name != "fixed":
-                    window = max(window, self.config.drafting.hybrid_min_window)
+                    window = max(window, self.hybrid_floor(s.seq))
                 window = min(self.cap(s.seq), window)
             lookup = self.lookup_cap(s.seq) if method != "draft" else 0
             slots[s.seq.id] = s.but(method=method, window=window, lookup=lookup)
