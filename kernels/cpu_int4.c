@@ -80,7 +80,7 @@ static int64_t record_of(const Int4Call *c) { return record_bytes(c->bits, c->mi
 static int64_t group_bytes(const Int4Call *c) { return c->k / BLOCK * record_of(c); }
 /* The weights' zero point: a block's dot product starts at -zero * (its input sum); with mins
    the stored values are the weights' offsets from the block's min, which enters by itself. */
-static int32_t zero_of(const Int4Call *c) { return c->mins ? 0 : c->bits == 4 ? 8 : 128; }
+static inline int32_t zero_point(int64_t bits, int64_t mins) { return mins ? 0 : bits == 4 ? 8 : 128; }
 
 /* IEEE half to float, exactly (what F16C's vcvtph2ps gives). */
 static inline float half_float(uint16_t h) {
@@ -139,7 +139,7 @@ static void group_plain(const Int4Call *c, int64_t g) {
       for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *rec = w + b * record;
         const int32_t sum = c->zx[r * blocks + b];
-        int32_t dot = -zero_of(c) * sum;
+        int32_t dot = -zero_point(c->bits, c->mins) * sum;
         for (int j = 0; j < BLOCK; j++) dot += stored(rec, c->bits, i, j) * x8[b * BLOCK + j];
         const float sx = c->sx[r * blocks + b];
         acc = fmaf((float)dot, half_at(rec + 64 * c->bits + 2 * i) * sx, acc);
@@ -163,7 +163,7 @@ static inline __attribute__((always_inline)) void group_fast(const Int4Call *c, 
                                                              int64_t r0, int R, const int BITS,
                                                              const int MINS) {
   const int64_t k = c->k, blocks = k / BLOCK, record = record_bytes(BITS, MINS);
-  const int32_t zero = MINS ? 0 : BITS == 4 ? 8 : 128;
+  const int32_t zero = zero_point(BITS, MINS);
   const uint8_t *w = c->w + g * group_bytes(c);
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[GROUP];

@@ -11,11 +11,11 @@ when the fused session is built (runtime/model/fused.py), on the bundle's MatMul
 compiler left them; the bundle is unchanged and other executors (segments, CUDA) never see
 the op.
 
-Rewritten: MatMulNBits with 4 or 8 bits, blocks of 32, accuracy level 4 (int8 arithmetic, which
-MatMulInt4 does too), no group index or bias, K a multiple of 32, weights, scales and zero
-points (if any: uint8 or float, the op's mins) stored as initializers. Anything else stays as it
-is. Only drafts: a main's arithmetic
-is what its output is, and MatMulInt4 sums in another order than MatMulNBits.
+Rewritten: MatMulNBits with 4 or 8 bits, blocks of 32, accuracy level 4 (int8 arithmetic,
+which MatMulInt4 does too), no group index or bias, K a multiple of 32, weights, scales and
+zero points (if any: uint8 or float, the op's mins) stored as initializers. Anything else
+stays as it is. Only drafts: a main's arithmetic is what its output is, and MatMulInt4 sums
+in another order than MatMulNBits.
 """
 
 from __future__ import annotations
@@ -127,18 +127,17 @@ def block_mins(zero_points: np.ndarray | None, scales: np.ndarray, bits: int, n:
     padded to a byte); float ones are one per block."""
     if zero_points is None:
         return None
-    if zero_points.dtype == np.uint8:
+    zp = zero_points
+    if zp.dtype == np.uint8:
         if bits == 4:
-            packed = zero_points.reshape(n, -1)
+            packed = zp.reshape(n, -1)
             zp = np.empty((n, packed.shape[1] * 2), np.uint8)
             zp[:, 0::2], zp[:, 1::2] = packed & 15, packed >> 4
             zp = zp[:, :blocks]
-        else:
-            zp = zero_points.reshape(n, blocks)
         if np.all(zp == (8 if bits == 4 else 128)):
             return None
-    zp = np.asarray(zero_points if zero_points.dtype != np.uint8 else zp, np.float32)
-    return (-zp.reshape(-1) * np.asarray(scales, np.float32).reshape(-1)).astype(np.float32)
+    zp = np.asarray(zp, np.float32).reshape(-1)
+    return (-zp * np.asarray(scales, np.float32).reshape(-1)).astype(np.float32)
 
 
 def rewrite_int4(model: onnx.ModelProto, folder: Path, threads: int) -> int:
