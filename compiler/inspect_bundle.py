@@ -31,7 +31,21 @@ def _model_summary(s: ModelSpec) -> dict:
         "head_dim": s.head_dim, "vocab_size": s.vocab_size, "kv_dtype": s.kv_dtype,
         "kv_bytes_per_token": s.kv_bytes_per_token, "inputs": list(s.inputs),
         "segments": len(s.segments), "verify_ops": len(s.verify_ops),
+        "windows": list(s.windows), "max_positions": s.max_positions,
     }
+
+
+def spans_text(windows: list[int]) -> str:
+    """Attention spans by layer, runs merged: 'layers 0-4 window 512, 5 full'."""
+    runs: list[list[int]] = []  # [first layer, last layer, window]
+    for layer, w in enumerate(windows):
+        if runs and runs[-1][2] == w and runs[-1][1] == layer - 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer, w])
+    parts = [(f"{a}" if a == b else f"{a}-{b}") + (f" window {w}" if w else " full")
+             for a, b, w in runs]
+    return "attention: layers " + ", ".join(parts)
 
 
 def inspect_text(bundle: Bundle) -> str:
@@ -48,6 +62,8 @@ def inspect_text(bundle: Bundle) -> str:
             f"{m['kv_bytes_per_token'] / 1024:.1f} KiB KV/token"
             f"  <- {src['file']} sha256 {src['sha256'][:12]}"
         )
+        lines.append(f"        {spans_text(m['windows'])}, proven to {m['max_positions']} "
+                     "positions")
         lines.extend(_stage1_lines(d["stage1"].get(role)))
     lines.append(
         f"  memory plan: {plan.layout}, block {plan.block_size} tokens, {plan.num_blocks} blocks "

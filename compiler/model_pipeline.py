@@ -20,6 +20,7 @@ from dspark.compiler.passes.projections import fuse_projections
 from dspark.compiler.passes.rotary import fuse_rotary
 from dspark.compiler.passes.segments import SegmentCut, cut_segments, segment_graph
 from dspark.compiler.passes.select_logits import select_logits_rows
+from dspark.compiler.passes.span import exposed_types, find_spans
 from dspark.compiler.passes.verify_layout import token_major_verify
 from dspark.compiler.passes.verify_nodes import (
     LayerGeometry,
@@ -51,7 +52,7 @@ class ModelAnalysis:
     """What the probe tells about one model: geometry per layer, meanings, vocab size."""
 
     def __init__(self, opt_path: Path, contract: InputContract, graph: gs.Graph,
-                 matches: list[AttentionMatch]):
+                 matches: list[AttentionMatch], max_positions: int):
         removed = set(contract.removed_inputs)
         candidates = int_candidates(graph, removed)
         shapes = {**shape_derived(graph), **reshaped(graph)}
@@ -59,8 +60,10 @@ class ModelAnalysis:
         for m in matches:
             expose.update({t.name: _elem(t) for t in (m.q, m.k_new, m.v_new, m.out)})
         expose[LOGITS] = onnx.TensorProto.FLOAT
-        prober = Prober(opt_path, contract, expose, _vocab_guess(graph))
+        spans = exposed_types(graph, matches, _elem)
+        prober = Prober(opt_path, contract, {**expose, **spans}, _vocab_guess(graph))
         prober.check_causal()
+        self.windows = find_spans(prober, matches, contract.path, max_positions)
         samples = prober.run_all(sorted(expose))
         self.vocab_size = int(samples[0][LOGITS].shape[-1])
         self.geometry = [geometry_from_probe(contract, m, samples, PROBE_SHAPES) for m in matches]
@@ -75,6 +78,7 @@ class ModelAnalysis:
 @dataclass
 class Rewritten:
     geometry: list[LayerGeometry]
+    windows: list[int]  # each layer's attention window (0: every earlier position)
     vocab_size: int
     matches: list[AttentionMatch]
     counts: dict[str, int]  # what each pass changed, for the compile report
@@ -83,9 +87,11 @@ class Rewritten:
 def rewrite(graph: gs.Graph, contract: InputContract, role: str, progress: Progress,
             opt_path: Path, max_positions: int, lean: bool = True) -> Rewritten:
     matches = find_attentions(graph, contract)
-    analysis = ModelAnalysis(opt_path, contract, graph, matches)
+    analysis = ModelAnalysis(opt_path, contract, graph, matches, max_positions)
     counts = {
-        "verify_nodes": insert_verify_nodes(graph, matches, analysis.geometry, role),
+        "verify_nodes": insert_verify_nodes(graph, matches, analysis.geometry, analysis.windows,
+                                            role),
+        "sliding_window_layers": sum(1 for w in analysis.windows if w),
         "kv_outputs_detached": detach_kv_outputs(graph),
     }
     graph.cleanup()
@@ -104,7 +110,7 @@ def rewrite(graph: gs.Graph, contract: InputContract, role: str, progress: Progr
     counts["logits_rows_selected"] = select_logits_rows(graph)
     graph.toposort()
     progress.say(f"{role}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
-    return Rewritten(analysis.geometry, analysis.vocab_size, matches, counts)
+    return Rewritten(analysis.geometry, analysis.windows, analysis.vocab_size, matches, counts)
 
 
 def _uniform(geometry: list[LayerGeometry], contract: InputContract) -> LayerGeometry:
@@ -173,7 +179,7 @@ def compile_model(contract: InputContract, role: str, work: Path, out: Path,
         q, k, v = (t.name for t in node.inputs)
         ops.append(VerifyOp(node.name, m.layer, q, k, v, node.outputs[0].name, geo.num_heads,
                             geo.num_kv_heads, geo.head_dim, node.attrs["scale"], after[node.name],
-                            node.attrs.get("layout", "heads")))
+                            node.attrs.get("layout", "heads"), node.attrs["window"]))
     report = {"ops_before": before, "ops_after": op_counts(graph.nodes), "passes": done.counts}
     return ModelSpec(
         role=role, num_layers=contract.num_layers, num_heads=geo.num_heads,
@@ -181,5 +187,5 @@ def compile_model(contract: InputContract, role: str, work: Path, out: Path,
         kv_dtype=_KV_DTYPES.get(contract.kv_dtype, "float32"),
         inputs=tuple(t.name for t in graph.inputs), graph_file=graph_file,
         weights_file=weights_file, segments=segments, verify_ops=tuple(ops),
-        max_positions=max_positions if done.counts.get("rotary_fused") else None,
+        max_positions=max_positions,
     ), report

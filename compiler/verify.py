@@ -5,6 +5,12 @@ multi-token steps follow (each sequence appending its own number of tokens); eve
 bundle's segments + reference SpeculativeVerify produce is compared with the original model
 run on that sequence alone, with its own KV-cache I/O.
 
+Beside those short sequences, every length where the model's attention changes is crossed:
+for each attention window W the bundle found, one sequence whose steps cross W and one whose
+prefill does, and one sequence whose last step ends at the bundle's last position
+(max_seq_len: rotary tables, proven spans). Long prompts are fed in chunks of 256 to 511
+tokens, as the runtime prefills them.
+
 Some models are not deterministic across shapes: an int4 draft whose MatMulNBits quantizes
 activations to int8 (accuracy_level 4) turns 1e-7 input differences into logit differences
 near 1. So verify also measures the original's own noise floor, the larger of: the same
@@ -25,6 +31,7 @@ import onnx
 
 from dspark.compiler.reference import OriginalModel
 from dspark.runtime.bundle.bundle import Bundle
+from dspark.runtime.bundle.spec import ModelSpec
 from dspark.runtime.errors import DSparkError
 from dspark.runtime.model.attention_ref import ReferenceAttention
 from dspark.runtime.model.batch import FlatBatch, SeqChunk
@@ -43,6 +50,7 @@ class VerifyReport:
     steps: int
     argmax_agree: float  # fraction of tokens whose top-1 matches
     noise_floor: float  # the original's own difference between chunkings of the same tokens
+    longest: int = 0  # the longest sequence checked (positions)
 
     def limit(self, tolerance: float) -> float:
         return max(tolerance, NOISE_FACTOR * self.noise_floor)
@@ -59,36 +67,65 @@ def _check_matches(bundle: Bundle, role: str, original: OriginalModel, path: Pat
                           f"{c.head_dim} does not match the bundle's {role} model")
 
 
+PREFILL_CHUNK = 256
+
+
+def prefill_chunks(n: int) -> list[int]:
+    """A prompt of n tokens as the runtime prefills it: chunks of 256, the last 256-511."""
+    if n < 2 * PREFILL_CHUNK:
+        return [n]
+    full = n // PREFILL_CHUNK - 1
+    return [PREFILL_CHUNK] * full + [n - PREFILL_CHUNK * full]
+
+
+def chunk_plans(spec: ModelSpec, rng: np.random.Generator, seqs: int, steps: int
+                ) -> list[list[int]]:
+    """Per sequence, the tokens each forward appends: the short random sequences, then those
+    crossing each window (steps across it, a prefill across it) and the last position."""
+    step = lambda: [int(n) for n in rng.integers(1, 5, steps)]  # noqa: E731
+    plans = [[int(rng.integers(1, 13))] + step() for _ in range(seqs)]
+    limit = spec.max_positions or 0
+    for window in sorted({w for w in spec.windows if w}):
+        for prompt in (window - 2, window + 3):
+            if prompt > 0 and prompt + 4 * steps <= limit:
+                plans.append(prefill_chunks(prompt) + step())
+    if limit > 4 * steps:
+        plans.append(prefill_chunks(limit - 4 * steps) + [4] * steps)
+    return plans
+
+
 def verify_model(bundle: Bundle, role: str, path: Path, seqs: int = 3, steps: int = 4,
                  seed: int = 0) -> VerifyReport:
     rng = np.random.default_rng(seed)
     original = OriginalModel(path)
     _check_matches(bundle, role, original, path)
     spec = bundle.model(role)
-    prompts = [int(n) for n in rng.integers(1, 13, seqs)]
-    cache = ContiguousKVCache(spec, seqs, max(prompts) + 4 * steps)
+    plans = chunk_plans(spec, rng, seqs, steps)
+    cache = ContiguousKVCache(spec, len(plans), max(sum(p) for p in plans))
     model = SegmentedModel(bundle, role, ReferenceAttention(cache))
-    pasts, starts = [original.empty_past() for _ in range(seqs)], [0] * seqs
-    history: list[list[int]] = [[] for _ in range(seqs)]
-    stepwise: list[list[np.ndarray]] = [[] for _ in range(seqs)]
+    pasts, starts = [original.empty_past() for _ in plans], [0] * len(plans)
+    history: list[list[int]] = [[] for _ in plans]
+    stepwise: list[list[np.ndarray]] = [[] for _ in plans]
     worst, tokens, agree = 0.0, 0, 0
-    for step in range(steps + 1):
-        lens = prompts if step == 0 else [int(n) for n in rng.integers(1, 5, seqs)]
-        new = [[int(t) for t in rng.integers(0, spec.vocab_size, n)] for n in lens]
-        batch = FlatBatch.build([SeqChunk(i, starts[i], tuple(new[i])) for i in range(seqs)])
+    for k in range(max(len(p) for p in plans)):
+        live = [i for i, p in enumerate(plans) if k < len(p)]
+        new = {i: [int(t) for t in rng.integers(0, spec.vocab_size, plans[i][k])] for i in live}
+        batch = FlatBatch.build([SeqChunk(i, starts[i], tuple(new[i])) for i in live])
         got = model.forward(batch)
-        for i in range(seqs):
-            a, b = batch.seq_range(i)
+        for row, i in enumerate(live):
+            a, b = batch.seq_range(row)
             ref, pasts[i] = original.forward(new[i], pasts[i])
             history[i] += new[i]
-            stepwise[i].append(ref)
-            worst = max(worst, float(np.abs(got[a:b].astype(np.float64) - ref).max()))
+            if i < seqs:
+                stepwise[i].append(ref)
+            worst = max(worst, float(np.abs(got[a:b] - ref).max()))
             agree += int((got[a:b].argmax(-1) == ref.argmax(-1)).sum())
             tokens += b - a
             starts[i] += b - a
     noise = max(_chunking_noise(original, history[i], stepwise[i]) for i in range(seqs))
-    noise = max(noise, _rounding_noise(path, original, history))
-    return VerifyReport(role, worst, tokens, steps, agree / tokens, noise)
+    noise = max(noise, _rounding_noise(path, original, history[:seqs]))
+    return VerifyReport(role, worst, tokens, steps, agree / tokens, noise,
+                        max(sum(p) for p in plans))
 
 
 def _rounding_noise(path: Path, original: OriginalModel, histories: list[list[int]]) -> float:

@@ -5,8 +5,9 @@
 
        append: k/v rows qoffs[s] .. qoffs[s]+news[s]-1 -> pool slots of positions
                starts[s] .. starts[s]+news[s]-1 (block tables[s][p / block_size])
-       attend: query j of s (position starts[s]+j) over keys 0 .. starts[s]+j of its KV head,
-               softmax(scale * q . K) @ V -> out, in the layout of q
+       attend: query j of s (position p = starts[s]+j) over keys 0 .. p of its KV head, or
+               p-window+1 .. p in a sliding-window layer, softmax(scale * q . K) @ V -> out,
+               in the layout of q
 
    inputs   0 q [1,T,H*d] ("tokens") or [1,H,T,d] ("heads")   1 k, 2 v (same, kv heads)
             3 k_pool, 4 v_pool [blocks, kv, block_size, d]: the arena's own memory, written
@@ -14,7 +15,7 @@
             5 tables [S, max_blocks], 6 starts [S], 7 qoffs [S], 8 news [S]  (int64)
    output   0 out [1,T,H*d] ("tokens") or [1,H,T,d] ("heads")
    attrs    num_heads, num_kv_heads, head_dim (int), scale (float), layout ("tokens"|"heads",
-            default "heads")
+            default "heads"), window (int, default 0: every earlier position)
    The same contract as kernels/cpu_verify.py and the Triton kernel; the runtime's tests
    compare all of them. Work is split by (sequence, KV head[, query block]) over
    onnxruntime's intra-op pool (OrtApi KernelContext_ParallelFor). head_dim 64 with up to 4
@@ -37,7 +38,7 @@
 void *const *ort;
 
 typedef struct {
-  int64_t heads, kv_heads, dim;
+  int64_t heads, kv_heads, dim, window;
   float scale;
   int tokens_layout;
 } Kernel;
@@ -51,11 +52,17 @@ typedef struct {
   int64_t seqs, max_blocks, blocks, block_size, kv, group, dim;
   int64_t q_tstride, q_hstride, k_tstride, k_hstride;
   int64_t query_block, qblocks; /* work item = (sequence, KV head, query block) */
+  int64_t window;                /* 0: every earlier position; W: the last W */
   float scale;
 } Call;
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* The first key the query at position p attends to. */
+static inline int64_t first_key(const Call *c, int64_t p) {
+  return c->window > 0 ? max64(0, p - c->window + 1) : 0;
+}
 
 static int append(const Call *c, int64_t s) {
   const int64_t *table = c->tables + s * c->max_blocks;
@@ -96,10 +103,12 @@ static void attend(const Call *c, int64_t s, int64_t g, int64_t j0, int64_t j1, 
                    float *acc) {
   const int64_t *table = c->tables + s * c->max_blocks;
   const int64_t start = c->starts[s], qoff = c->qoffs[s], group = c->group, dim = c->dim;
-  const int64_t length = start + j1, rows = (j1 - j0) * group;
-  for (int64_t i = 0; i < length; i++) {
+  const int64_t length = start + j1, rows = (j1 - j0) * group, first = first_key(c, start + j0);
+  for (int64_t i = first; i < length; i++) {
     const float *key = pool_row(c, c->k_pool, table, g, i);
-    for (int64_t j = max64(j0, i - start); j < j1; j++) {
+    /* query j sees key i when i <= start + j (and i > start + j - window) */
+    const int64_t last = c->window > 0 ? min64(j1, i - start + c->window) : j1;
+    for (int64_t j = max64(j0, i - start); j < last; j++) {
       for (int64_t u = 0; u < group; u++) {
         const float *q = c->q + (qoff + j) * c->q_tstride + (g * group + u) * c->q_hstride;
         float dot = 0.0f;
@@ -108,11 +117,15 @@ static void attend(const Call *c, int64_t s, int64_t g, int64_t j0, int64_t j1, 
       }
     }
   }
-  for (int64_t r = 0; r < rows; r++) softmax(scores + r * length, start + j0 + r / group + 1);
+  for (int64_t r = 0; r < rows; r++) {
+    const int64_t p = start + j0 + r / group, lo = first_key(c, p);
+    softmax(scores + r * length + lo, p + 1 - lo);
+  }
   memset(acc, 0, (size_t)(rows * dim) * sizeof(float));
-  for (int64_t i = 0; i < length; i++) {
+  for (int64_t i = first; i < length; i++) {
     const float *value = pool_row(c, c->v_pool, table, g, i);
-    for (int64_t r = max64(0, i - start - j0) * group; r < rows; r++) {
+    const int64_t last = c->window > 0 ? min64(rows, (i - start - j0 + c->window) * group) : rows;
+    for (int64_t r = max64(0, i - start - j0) * group; r < last; r++) {
       const float p = scores[r * length + i];
       float *a = acc + r * dim;
       for (int64_t x = 0; x < dim; x++) a[x] += p * value[x];
@@ -171,17 +184,17 @@ static inline __attribute__((always_inline)) void attend_group(
     const int64_t group) {
   const int64_t *table = c->tables + s * c->max_blocks;
   const int64_t start = c->starts[s], qoff = c->qoffs[s];
-  const int64_t length = start + j1;
-  for (int64_t i = 0; i < AHEAD && i < length; i++) prefetch_rows(c, table, g, i);
+  const int64_t length = start + j1, first = first_key(c, start + j0);
+  for (int64_t i = first; i < first + AHEAD && i < length; i++) prefetch_rows(c, table, g, i);
   for (int64_t j = j0; j < j1; j++) {
-    const int64_t limit = start + j + 1;
+    const int64_t limit = start + j + 1, lo = first_key(c, limit - 1);
     vec16 q[FAST_GROUP][4];
     for (int64_t u = 0; u < group; u++) {
       const float *row = c->q + (qoff + j) * c->q_tstride + (g * group + u) * c->q_hstride;
       for (int t = 0; t < 4; t++) q[u][t] = load16(row + 16 * t);
     }
     float *sc = scores + (j - j0) * group * length;
-    for (int64_t i = 0; i < limit; i++) {
+    for (int64_t i = lo; i < limit; i++) {
       if (j == j0 && i + AHEAD < length) prefetch_rows(c, table, g, i + AHEAD);
       const float *key = pool_row(c, c->k_pool, table, g, i);
       const vec16 k0 = load16(key), k1 = load16(key + 16), k2 = load16(key + 32),
@@ -190,10 +203,10 @@ static inline __attribute__((always_inline)) void attend_group(
         sc[u * length + i] =
             sum16((k0 * q[u][0] + k1 * q[u][1]) + (k2 * q[u][2] + k3 * q[u][3])) * c->scale;
     }
-    for (int64_t u = 0; u < group; u++) softmax(sc + u * length, limit);
+    for (int64_t u = 0; u < group; u++) softmax(sc + u * length + lo, limit - lo);
     vec16 acc[FAST_GROUP][4];
     memset(acc, 0, sizeof(acc));
-    for (int64_t i = 0; i < limit; i++) {
+    for (int64_t i = lo; i < limit; i++) {
       const float *value = pool_row(c, c->v_pool, table, g, i);
       const vec16 v0 = load16(value), v1 = load16(value + 16), v2 = load16(value + 32),
                   v3 = load16(value + 48);
@@ -276,6 +289,12 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, const void *api,
   }
   if (ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_STRING, StrAttr)(info, "layout", layout, &size)))
     k->tokens_layout = strcmp(layout, "tokens") == 0; /* absent: "heads", as exported */
+  if (!ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_INT64, IntAttr)(info, "window", &k->window)))
+    k->window = 0; /* absent: every earlier position */
+  if (k->window < 0) {
+    free(k);
+    return error("SpeculativeVerify: window must be >= 0");
+  }
   *kernel = k;
   return NULL;
 }
@@ -322,6 +341,7 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
   c.group = k->heads / k->kv_heads;
   c.dim = k->dim;
   c.scale = k->scale;
+  c.window = k->window;
   c.q_tstride = k->tokens_layout ? k->heads * k->dim : k->dim;
   c.q_hstride = k->tokens_layout ? k->dim : tokens * k->dim;
   c.k_tstride = k->tokens_layout ? k->kv_heads * k->dim : k->dim;

@@ -5,8 +5,9 @@ both), plus the append of the new keys and values, for float32 arenas:
 
     for each sequence s (qoff, new, start): write k/v rows qoff..qoff+new-1 to the slots of
     positions start..start+new-1, then for each KV head g, over its keys 0..start+new-1:
-        scores[j*group+u, i] = scale * q[qoff+j, g*group+u] . K[i]   (i <= start+j)
+        scores[j*group+u, i] = scale * q[qoff+j, g*group+u] . K[i]   (lo(p) <= i <= p)
         out[qoff+j, g*group+u] = softmax(scores[j*group+u]) @ V
+    where p = start+j and lo(p) = 0, or p-window+1 in a sliding-window layer.
 Each key and value row is read once per KV head for the whole head group and window,
 straight from its arena block: nothing is gathered. Why compiled: a decode step's attention
 is ~60 KFLOP per layer, and the dozen numpy calls that did it cost 60-90 us per layer in
@@ -34,19 +35,27 @@ def _append(k_new, v_new, k_pool, v_pool, table, start, qoff, new):  # pragma: n
         v_pool[blk, :, off, :] = v_new[qoff + j]
 
 
+@numba.njit(cache=True, inline="always")
+def _first_key(position, window):  # pragma: no cover
+    return max(0, position - window + 1) if window > 0 else 0
+
+
 @numba.njit(cache=True, fastmath=True, nogil=True, boundscheck=False)
-def _attend(q, k_pool, v_pool, table, start, qoff, new, scale, out):  # pragma: no cover
+def _attend(q, k_pool, v_pool, table, start, qoff, new, scale, window, out):  # pragma: no cover
     kv, bs, dim = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
     group = q.shape[1] // kv
     length = start + new
     rows = new * group
+    first = _first_key(start, window)  # no query of the window reads a key before this
     scores = np.empty((rows, length), np.float32)
     acc = np.empty((rows, dim), np.float32)
     inv = np.empty(rows, np.float32)
     for g in range(kv):
-        for i in range(length):
+        for i in range(first, length):
             key = k_pool[table[i // bs], g, i % bs]
-            for j in range(max(0, i - start), new):  # query j sees keys up to start + j
+            # query j sees key i when i <= start + j (and i > start + j - window)
+            last = new if window == 0 else min(new, i - start + window)
+            for j in range(max(0, i - start), last):
                 for u in range(group):
                     head = q[qoff + j, g * group + u]
                     s = np.float32(0.0)
@@ -55,19 +64,21 @@ def _attend(q, k_pool, v_pool, table, start, qoff, new, scale, out):  # pragma: 
                     scores[j * group + u, i] = s * scale
         for r in range(rows):
             limit = start + r // group + 1
-            top = scores[r, 0]
-            for i in range(1, limit):
+            lo = _first_key(limit - 1, window)
+            top = scores[r, lo]
+            for i in range(lo + 1, limit):
                 top = max(top, scores[r, i])
             total = np.float32(0.0)
-            for i in range(limit):
+            for i in range(lo, limit):
                 p = np.float32(math.exp(scores[r, i] - top))
                 scores[r, i] = p
                 total += p
             inv[r] = np.float32(1.0) / total
         acc[:] = 0.0
-        for i in range(length):
+        for i in range(first, length):
             value = v_pool[table[i // bs], g, i % bs]
-            for r in range(max(0, i - start) * group, rows):
+            last = rows if window == 0 else min(rows, (i - start + window) * group)
+            for r in range(max(0, i - start) * group, last):
                 p = scores[r, i]
                 for x in range(dim):
                     acc[r, x] += p * value[x]
@@ -79,19 +90,21 @@ def _attend(q, k_pool, v_pool, table, start, qoff, new, scale, out):  # pragma: 
 
 @numba.njit(cache=True, fastmath=True, nogil=True, boundscheck=False)
 def _verify_kernel(q, k_new, v_new, k_pool, v_pool, tables, starts, qoffs, news, seqs, scale,
-                   out):  # pragma: no cover
+                   window, out):  # pragma: no cover
     for s in seqs:
         _append(k_new, v_new, k_pool, v_pool, tables[s], starts[s], qoffs[s], news[s])
-        _attend(q, k_pool, v_pool, tables[s], starts[s], qoffs[s], news[s], scale, out)
+        _attend(q, k_pool, v_pool, tables[s], starts[s], qoffs[s], news[s], scale, window, out)
 
 
 def cpu_verify_attention(q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray,
                          k_pool: np.ndarray, v_pool: np.ndarray, tables: np.ndarray,
                          starts: np.ndarray, qoffs: np.ndarray, news: np.ndarray,
-                         seqs: np.ndarray, scale: float, out: np.ndarray) -> None:
+                         seqs: np.ndarray, scale: float, out: np.ndarray, window: int = 0
+                         ) -> None:
     """Append and attend the sequences `seqs` of the batch into `out` (their rows).
 
     q [T, heads, d], k_new/v_new [T, kv, d], pools [blocks, kv, block_size, d], all float32
-    and C-contiguous; tables [sequences, max blocks], starts, qoffs, news, seqs int64."""
+    and C-contiguous; tables [sequences, max blocks], starts, qoffs, news, seqs int64.
+    `window`: the layer's attention window (0: every earlier position)."""
     _verify_kernel(q, k_new, v_new, k_pool, v_pool, tables, starts, qoffs, news, seqs,
-                   np.float32(scale), out)
+                   np.float32(scale), np.int64(window), out)

@@ -6,6 +6,7 @@ sequence's cached positions in the head-tiled arena plus the new tokens before i
     q [T, heads, d]        k/v arena [blocks, kv_heads, block_size, d] (one layer)
     per sequence s: its new tokens are q[qoff_s : qoff_s + new_s] at positions
     start_s .. start_s + new_s - 1, its keys the first start_s + new_s slots of its blocks
+    (a layer of window W: the query at position p sees p-W+1 .. p, earlier blocks skipped)
 The kernel (templates/verify_attention.py.jinja) runs one program per (sequence, KV head,
 window tile) and reads each (block, KV head) tile once for the whole head group and window.
 On a GPU with few sequences it also splits each sequence's blocks over programs and
@@ -28,8 +29,8 @@ MIN_SPLIT_BLOCKS = 4
 
 def verify_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                block_tables: torch.Tensor, start: torch.Tensor,
-                               new: torch.Tensor, qoff: torch.Tensor, scale: float
-                               ) -> torch.Tensor:
+                               new: torch.Tensor, qoff: torch.Tensor, scale: float,
+                               window: int = 0) -> torch.Tensor:
     """Gather each sequence's keys, then SDPA with a causal window mask, in fp32."""
     out = torch.empty_like(q)
     bs = k_pool.shape[2]
@@ -38,7 +39,8 @@ def verify_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
         blocks = block_tables[s, : -(-length // bs)].long()
         keys = k_pool[blocks].transpose(0, 1).reshape(k_pool.shape[1], -1, k_pool.shape[3])
         values = v_pool[blocks].transpose(0, 1).reshape(v_pool.shape[1], -1, v_pool.shape[3])
-        mask = torch.arange(length)[None, :] <= (int(start[s]) + torch.arange(n))[:, None]
+        kpos, qpos = torch.arange(length)[None, :], (int(start[s]) + torch.arange(n))[:, None]
+        mask = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
         o = F.scaled_dot_product_attention(
             q[a:a + n].transpose(0, 1)[None].float(), keys[:, :length][None].float(),
             values[:, :length][None].float(), attn_mask=mask.to(q.device), scale=scale,
@@ -60,8 +62,8 @@ def verify_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                      block_tables: torch.Tensor, start: torch.Tensor, new: torch.Tensor,
                      qoff: torch.Tensor, scale: float, library: KernelLibrary,
                      max_new: int | None = None, max_len: int | None = None,
-                     splits: int | None = None, out: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     splits: int | None = None, out: torch.Tensor | None = None,
+                     window: int = 0) -> torch.Tensor:
     """Launch: grid (sequences, KV heads, window tiles x KV splits), then the reduce when
     split. `max_new`/`max_len` (longest window, longest cached + new) spare a device sync
     when given; `splits` overrides the heuristic (1 on the CPU). Index tensors are int32."""
@@ -81,16 +83,16 @@ def verify_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     grid = (len(start), spec.num_kv_heads, tiles * splits)
     if splits == 1:
         library.launch("verify_attention", grid, q, k_pool, v_pool, out, out, out,
-                       block_tables, start, new, qoff, scale, block_tables.stride(0), 1,
-                       per_split, upcast, False)
+                       block_tables, start, new, qoff, scale, window, block_tables.stride(0),
+                       1, per_split, upcast, False)
         return out
     part_o = torch.empty(q.shape[0], spec.num_heads, splits, spec.d_pad, dtype=torch.float32,
                          device=q.device)
     part_lse = torch.empty(q.shape[0], spec.num_heads, splits, dtype=torch.float32,
                            device=q.device)
     library.launch("verify_attention_split", grid, q, k_pool, v_pool, out, part_o, part_lse,
-                   block_tables, start, new, qoff, scale, block_tables.stride(0), splits,
-                   per_split, upcast, True)
+                   block_tables, start, new, qoff, scale, window, block_tables.stride(0),
+                   splits, per_split, upcast, True)
     library.launch("verify_reduce", (q.shape[0], spec.num_heads), part_o, part_lse, out, splits)
     return out
 

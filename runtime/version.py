@@ -5,4 +5,5 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 # Bump when the bundle layout or manifest schema changes incompatibly.
-BUNDLE_FORMAT_VERSION = 2  # 2: kernels/index.json with cubins per arch
+BUNDLE_FORMAT_VERSION = 3  # 2: kernels/index.json with cubins per arch; 3: attention windows
+# (a version-2 bundle of a sliding-window model attends every position: refused)

@@ -71,3 +71,71 @@ def other_vocab_model(src: Path, path: Path, vocab: int) -> Path:
     graph.outputs = [cut if t is logits else t for t in graph.outputs]
     onnx.save(gs.export_onnx(graph), str(path))
     return path
+
+
+def _key_positions(graph: gs.Graph, scores: gs.Tensor, name: str) -> tuple[gs.Variable, ...]:
+    """(query positions [n, 1], key positions [T]) of a [.., n, T] score tensor, as int64
+    (queries are the last n of T positions: past + arange(n))."""
+    def var(suffix: str) -> gs.Variable:
+        return gs.Variable(f"{name}/{suffix}", dtype=np.int64)
+
+    def node(op: str, inputs, out: gs.Variable, **attrs) -> gs.Variable:
+        graph.nodes.append(gs.Node(op, f"{name}/{out.name.rsplit('/', 1)[1]}", attrs, inputs,
+                                   [out]))
+        return out
+
+    one, zero = (gs.Constant(f"{name}/{v}", np.array(v, np.int64)) for v in (1, 0))
+    total = node("Squeeze", [node("Shape", [scores], var("T"), start=3, end=4)], var("t"))
+    new = node("Squeeze", [node("Shape", [scores], var("N"), start=2, end=3)], var("n"))
+    past = node("Sub", [total, new], var("past"))
+    keys = node("Range", [zero, total, one], var("keys"))
+    queries = node("Range", [past, total, one], var("queries"))
+    column = gs.Constant(f"{name}/column", np.array([-1, 1], np.int64))
+    return node("Reshape", [queries, column], var("query_column")), keys
+
+
+def alibi_model(src: Path, path: Path, layer: int = 1) -> Path:
+    """The eager export with an ALiBi-style bias (0.1 x the key's position: ALiBi's
+    -m (i - j) up to a per-query constant) added to layer `layer`'s masked scores."""
+    graph = gs.import_onnx(onnx.load(str(src)))
+    add = _softmax_inputs(graph)[layer]
+    name = f"/alibi_{layer}"
+    _, keys = _key_positions(graph, add.inputs[0], name)
+    as_float = gs.Variable(f"{name}/keys_f", dtype=np.float32)
+    bias = gs.Variable(f"{name}/bias", dtype=np.float32)
+    biased = gs.Variable(f"{name}/biased", dtype=np.float32)
+    graph.nodes += [
+        gs.Node("Cast", f"{name}/Cast", {"to": TensorProto.FLOAT}, [keys], [as_float]),
+        gs.Node("Mul", f"{name}/Mul", inputs=[as_float, gs.Constant(
+            f"{name}/slope", np.array(0.1, np.float32))], outputs=[bias]),
+        gs.Node("Add", f"{name}/Add", inputs=[add.outputs[0], bias], outputs=[biased])]
+    softmax = add.outputs[0].outputs[0]
+    softmax.inputs[0] = biased
+    onnx.save(gs.export_onnx(graph.toposort()), str(path))
+    return path
+
+
+def chunked_model(src: Path, path: Path, layer: int = 1, chunk: int = 4) -> Path:
+    """The eager export whose layer `layer` attends only inside chunks of `chunk` positions
+    (Llama 4's chunked attention): causal, but no sliding window."""
+    graph = gs.import_onnx(onnx.load(str(src)))
+    add = _softmax_inputs(graph)[layer]
+    name = f"/chunked_{layer}"
+    queries, keys = _key_positions(graph, add.inputs[0], name)
+    size = gs.Constant(f"{name}/chunk", np.array(chunk, np.int64))
+    outs = [gs.Variable(f"{name}/{n}", dtype=d) for n, d in (
+        ("qc", np.int64), ("kc", np.int64), ("same", np.bool_), ("mask", np.float32),
+        ("masked", np.float32))]
+    graph.nodes += [
+        gs.Node("Div", f"{name}/DivQ", inputs=[queries, size], outputs=[outs[0]]),
+        gs.Node("Div", f"{name}/DivK", inputs=[keys, size], outputs=[outs[1]]),
+        gs.Node("Equal", f"{name}/Equal", inputs=[outs[0], outs[1]], outputs=[outs[2]]),
+        gs.Node("Where", f"{name}/Where", inputs=[
+            outs[2], gs.Constant(f"{name}/open", np.array(0.0, np.float32)),
+            gs.Constant(f"{name}/shut", np.array(np.finfo(np.float32).min, np.float32))],
+            outputs=[outs[3]]),
+        gs.Node("Add", f"{name}/Add", inputs=[add.outputs[0], outs[3]], outputs=[outs[4]])]
+    softmax = add.outputs[0].outputs[0]
+    softmax.inputs[0] = outs[4]
+    onnx.save(gs.export_onnx(graph.toposort()), str(path))
+    return path

@@ -105,11 +105,11 @@ def tok_bundle(fixture_pairs, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def gpt2_tok_bundle(fixture_pairs, tmp_path_factory) -> Path:
-    """The same for gpt2: learned positions, so no rotary tables bound its max length."""
-    return _tok_bundle(fixture_pairs, tmp_path_factory.mktemp("tok-gpt2"), "gpt2")
+    """The same for gpt2 (learned positions, no rotary tables), at 2048 positions."""
+    return _tok_bundle(fixture_pairs, tmp_path_factory.mktemp("tok-gpt2"), "gpt2", 2048)
 
 
-def _tok_bundle(fixture_pairs, root: Path, arch: str) -> Path:
+def _tok_bundle(fixture_pairs, root: Path, arch: str, max_seq_len: int = 64) -> Path:
     import json
 
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
@@ -128,7 +128,7 @@ def _tok_bundle(fixture_pairs, root: Path, arch: str) -> Path:
     main, draft = fixture_pairs[(arch, "classic")]
     out = root / "tok.dsmodel"
     return compiled_bundle(CompileOptions(main, draft, out, tokenizer=root / "tok",
-                                          max_seq_len=64, kv_budget_mb=TEST_KV_MB))
+                                          max_seq_len=max_seq_len, kv_budget_mb=TEST_KV_MB))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -158,11 +158,10 @@ def json_bundles(fixture_pairs, tmp_path_factory) -> dict[tuple[str, str], Path]
     json_tokenizer().save(str(root / "tok" / "tokenizer.json"))
     (root / "tok" / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": CHAT_TEMPLATE, "eos_token": "<eos>"}))
-    # gpt2's learned positions stop at 512
     return {(arch, form): compiled_bundle(CompileOptions(
         main, draft, root / f"json-{arch}-{form}.dsmodel", tokenizer=root / "tok",
-        max_seq_len=1024 if arch == "llama" else 512, kv_budget_mb=TEST_KV_MB))
-        for (arch, form), (main, draft) in fixture_pairs.items()}
+        max_seq_len=1024, kv_budget_mb=TEST_KV_MB))
+        for (arch, form), (main, draft) in fixture_pairs.items() if arch in ("llama", "gpt2")}
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,9 @@
 
 Each architecture has a main model and a smaller draft (fewer layers, sharing the main's
 embeddings and first layers, so the draft often agrees with the main), both exported in the
-two forms users produce: classic (eager, opset 17) and dynamo (sdpa, opset 23).
+two forms users produce: classic (eager, opset 17) and dynamo (sdpa, opset 23). Two have
+sliding-window layers of 8 positions: gemma3 (5 sliding layers, then a global one, q/k norm,
+tied head) and mistral (every layer sliding).
 """
 
 from __future__ import annotations
@@ -15,13 +17,32 @@ import torch
 
 from dspark.compiler.hf_export import export_causal_lm
 
-ARCHS = ("llama", "gpt2")
+ARCHS = ("llama", "gpt2", "gemma3", "mistral")
 FORMS = ("classic", "dynamo")
+PAIRS = tuple((a, f) for a in ARCHS for f in FORMS)
+SLIDING_WINDOW = 8  # gemma3's and mistral's
+MAIN_LAYERS = {"gemma3": 6}  # Gemma 3's pattern: 5 sliding layers, then a global one
 VOCAB = 320
-RECIPE = 4  # bump when fixture configs change
+RECIPE = 5  # bump when fixture configs change
 
 
 def _config(arch: str, layers: int, attn: str):
+    if arch == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        return Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=layers, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16, sliding_window=SLIDING_WINDOW,
+                                max_position_embeddings=4096, initializer_range=0.25,
+                                attn_implementation=attn)
+    if arch == "mistral":
+        from transformers import MistralConfig
+
+        return MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=layers, num_attention_heads=4,
+                             num_key_value_heads=2, sliding_window=SLIDING_WINDOW,
+                             max_position_embeddings=4096, initializer_range=0.25,
+                             attn_implementation=attn, tie_word_embeddings=False)
     if arch == "llama":
         from transformers import LlamaConfig
 
@@ -32,21 +53,24 @@ def _config(arch: str, layers: int, attn: str):
                            attn_implementation=attn, tie_word_embeddings=False)
     from transformers import GPT2Config
 
-    return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=layers, n_head=4, n_positions=512,
+    # positions to the compiler's default max_seq_len (which it runs the model at)
+    return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=layers, n_head=4, n_positions=2048,
                       initializer_range=0.25, attn_implementation=attn)
 
 
 def _model_class(arch: str):
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+    import transformers
 
-    return LlamaForCausalLM if arch == "llama" else GPT2LMHeadModel
+    return getattr(transformers, {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel",
+                                  "gemma3": "Gemma3ForCausalLM",
+                                  "mistral": "MistralForCausalLM"}[arch])
 
 
 def make_pair(arch: str, attn: str) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """Main (3 layers) and draft (its first layer, same embeddings and head)."""
+    """Main (3 layers, gemma3 6) and draft (its first layer, same embeddings and head)."""
     torch.manual_seed(1234)
     cls = _model_class(arch)
-    main = cls(_config(arch, 3, attn)).eval()
+    main = cls(_config(arch, MAIN_LAYERS.get(arch, 3), attn)).eval()
     draft = cls(_config(arch, 1, attn)).eval()
     draft.load_state_dict(main.state_dict(), strict=False)
     return main, draft

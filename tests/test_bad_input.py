@@ -89,6 +89,22 @@ def test_unmappable_attention_names_the_node(capsys, llama, outdir):
     _only(model, ["capped.onnx"])
 
 
+def test_attention_bias_is_refused_naming_layer_and_node(capsys, llama, outdir):
+    """ALiBi-style scores are not a mask SpeculativeVerify can reproduce."""
+    model = bad_models.alibi_model(llama[0], outdir / "alibi.onnx")
+    r = run_dsc(capsys, "compile", model, llama[1], "-o", outdir / "b.dsmodel")
+    _refused(r, "alibi.onnx", "layer 1", "attention span", "a bias, not a mask")
+    _only(model, ["alibi.onnx"])
+
+
+def test_chunked_attention_is_refused_naming_layer_and_node(capsys, llama, outdir):
+    """Attention inside chunks of 4 positions: causal, but not a sliding window."""
+    model = bad_models.chunked_model(llama[0], outdir / "chunked.onnx")
+    r = run_dsc(capsys, "compile", model, llama[1], "-o", outdir / "b.dsmodel")
+    _refused(r, "chunked.onnx", "layer 1", "layers.1/self_attn/Add", "not a sliding window")
+    _only(model, ["chunked.onnx"])
+
+
 def test_output_exists_without_force(capsys, llama, outdir):
     (outdir / "b.dsmodel").mkdir()
     (outdir / "b.dsmodel" / "keep.txt").write_text("mine")

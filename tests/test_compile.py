@@ -16,22 +16,30 @@ from dspark.runtime.bundle.spec import VERIFY_DOMAIN, VERIFY_OP
 from dspark.runtime.version import BUNDLE_FORMAT_VERSION
 
 from cli_helpers import run_dsc
+from model_fixtures import PAIRS, SLIDING_WINDOW
 
-PAIRS = [("llama", "classic"), ("llama", "dynamo"), ("gpt2", "classic"), ("gpt2", "dynamo")]
-HEADS = {"llama": (4, 2), "gpt2": (4, 4)}  # (query heads, kv heads): llama is GQA
+# (query heads, kv heads): gpt2 is the one without GQA
+HEADS = {"llama": (4, 2), "gpt2": (4, 4), "gemma3": (4, 2), "mistral": (4, 2)}
+SCALE = {"gemma3": 256 ** -0.5}  # Gemma's query_pre_attn_scalar; the others 1/sqrt(16)
+# each main layer's attention window: gemma3's 5 sliding + 1 global, mistral's all sliding
+WINDOWS = {"llama": (0,) * 3, "gpt2": (0,) * 3, "gemma3": (SLIDING_WINDOW,) * 5 + (0,),
+           "mistral": (SLIDING_WINDOW,) * 3}
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: "-".join(p))
 def test_bundle_structure(compiled, pair):
     bundle = open_bundle(compiled[pair])
-    for role, layers in (("main", 3), ("draft", 1)):
+    windows = WINDOWS[pair[0]]
+    for role, layers in (("main", len(windows)), ("draft", 1)):
         spec = bundle.model(role)
         assert (spec.num_heads, spec.num_kv_heads) == HEADS[pair[0]]
         assert (spec.num_layers, spec.head_dim, spec.vocab_size) == (layers, 16, 320)
         assert len(spec.segments) == layers + 1
         assert [op.layer for op in spec.verify_ops] == list(range(layers))
         assert [op.after_segment for op in spec.verify_ops] == list(range(layers))
-        assert all(op.scale == pytest.approx(0.25) for op in spec.verify_ops)
+        assert spec.windows == windows[:layers]  # found in the graph's mask arithmetic
+        assert all(op.scale == pytest.approx(SCALE.get(pair[0], 0.25))
+                   for op in spec.verify_ops)
         assert set(spec.inputs) == {"input_ids", "position_ids", "logits_index"}
         for seg in spec.segments:
             assert not any(n.startswith(("past_key_values", "attention_mask")) for n in seg.inputs)
@@ -43,6 +51,7 @@ def test_bundle_structure(compiled, pair):
         assert verify[0].output[0] == f"/{role}/layers.0/attn/{VERIFY_OP}/output_0"
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in verify[0].attribute}
         assert attrs["num_kv_heads"] == HEADS[pair[0]][1] and attrs["head_dim"] == 16
+        assert attrs["window"] == windows[0]
 
 
 def _external_refs(path):

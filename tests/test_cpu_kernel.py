@@ -32,12 +32,14 @@ def _case(rng, heads: int, kv: int, dim: int, block: int, news: list[int]):
             np.array(starts, np.int64), qoffs, np.array(news, np.int64))
 
 
+@pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("news", [[1], [1, 1, 1], [5], [3, 1, 8], [17, 2]])
 @pytest.mark.parametrize("block", [16, 7])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"d{g[0]}h{g[1]}kv{g[2]}")
-def test_cpu_verify_matches_reference(geometry, block, news):
+def test_cpu_verify_matches_reference(geometry, block, news, window):
+    """window 5: a sliding-window layer (cached lengths up to 3 blocks cross it)."""
     dim, heads, kv = geometry
-    rng, _ = _seeded("cpu", geometry, block, news)
+    rng, _ = _seeded("cpu", geometry, block, news, window)
     q, k, v, k_pool, v_pool, tables, starts, qoffs, lens = _case(rng, heads, kv, dim, block, news)
     want_k, want_v = k_pool.copy(), v_pool.copy()
     for s in range(len(news)):  # the append the kernel must make
@@ -47,12 +49,12 @@ def test_cpu_verify_matches_reference(geometry, block, news):
             want_v[tables[s, p // block], :, p % block] = v[qoffs[s] + j]
     out = np.full_like(q, np.nan)
     cpu_verify_attention(q, k, v, k_pool, v_pool, tables, starts, qoffs, lens,
-                         np.arange(len(news), dtype=np.int64), dim ** -0.5, out)
+                         np.arange(len(news), dtype=np.int64), dim ** -0.5, out, window)
     np.testing.assert_array_equal(k_pool, want_k)
     np.testing.assert_array_equal(v_pool, want_v)
     t = torch.from_numpy
     want = verify_attention_reference(t(q), t(want_k), t(want_v), t(tables), t(starts), t(lens),
-                                      t(qoffs), dim ** -0.5)
+                                      t(qoffs), dim ** -0.5, window)
     assert_close(t(out), want, 2e-5)
 
 

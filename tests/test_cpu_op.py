@@ -63,15 +63,18 @@ def _graph_view(x: np.ndarray, layout: str) -> np.ndarray:
     return np.ascontiguousarray(x.transpose(1, 0, 2)[None])
 
 
+@pytest.mark.parametrize("window", [0, 5, 40])
 @pytest.mark.parametrize("layout", ["tokens", "heads"])
 @pytest.mark.parametrize("news", [[1], [1, 1, 1], [5], [3, 1, 8], [17, 2], [150, 3]])
 @pytest.mark.parametrize("block", [16, 7])
 @pytest.mark.parametrize("geometry", GEOMETRIES + FAST_GEOMETRIES[1:],
                          ids=lambda g: f"d{g[0]}h{g[1]}kv{g[2]}")
-def test_op_matches_reference(library, geometry, block, news, layout):
-    """[150, 3] is a prefill-sized window: split in query blocks over the intra-op pool."""
+def test_op_matches_reference(library, geometry, block, news, layout, window):
+    """[150, 3] is a prefill-sized window: split in query blocks over the intra-op pool.
+    window 5 and 40: a sliding-window layer, cut inside a verify window and inside a prefill
+    query block."""
     dim, heads, kv = geometry
-    rng, _ = _seeded("ort-op", geometry, block, news)
+    rng, _ = _seeded("ort-op", geometry, block, news, window)
     q, k, v, k_pool, v_pool, tables, starts, qoffs, lens = _case(rng, heads, kv, dim, block, news)
     want_k, want_v = k_pool.copy(), v_pool.copy()
     for s in range(len(news)):
@@ -79,7 +82,7 @@ def test_op_matches_reference(library, geometry, block, news, layout):
             p = starts[s] + j
             want_k[tables[s, p // block], :, p % block] = k[qoffs[s] + j]
             want_v[tables[s, p // block], :, p % block] = v[qoffs[s] + j]
-    sess = _op_session(library, heads, kv, dim, layout)
+    sess = _op_session(library, heads, kv, dim, layout, window=window)
     [out] = sess.run(["out"], dict(zip(FEEDS, (
         _graph_view(q, layout), _graph_view(k, layout), _graph_view(v, layout), k_pool, v_pool,
         tables, starts, qoffs, lens))))
@@ -87,22 +90,24 @@ def test_op_matches_reference(library, geometry, block, news, layout):
     np.testing.assert_array_equal(v_pool, want_v)
     t = torch.from_numpy
     want = verify_attention_reference(t(q), t(want_k), t(want_v), t(tables), t(starts), t(lens),
-                                      t(qoffs), dim ** -0.5)
+                                      t(qoffs), dim ** -0.5, window)
     got = out[0] if layout == "tokens" else out[0].transpose(1, 0, 2)
     assert out.shape == _graph_view(q, layout).shape
     assert_close(t(np.ascontiguousarray(got)).reshape(q.shape), want, 2e-5)
 
 
+@pytest.mark.parametrize("span", [0, 4])
 @pytest.mark.parametrize("layout", ["tokens", "heads"])
 @pytest.mark.parametrize("geometry", FAST_GEOMETRIES, ids=lambda g: f"d{g[0]}h{g[1]}kv{g[2]}")
-def test_a_window_agrees_with_decoding_its_tokens_one_by_one(library, geometry, layout):
+def test_a_window_agrees_with_decoding_its_tokens_one_by_one(library, geometry, layout, span):
     """Greedy speculation is lossless only if verifying a window scores each position
     exactly as decoding it would: the op's output for a 6-token window equals, bit for bit,
-    six one-token steps over the same cache (and the reference within float tolerance)."""
+    six one-token steps over the same cache (and the reference within float tolerance); also
+    in a sliding-window layer (span 4, cut inside the 6 tokens)."""
     dim, heads, kv = geometry
-    rng, _ = _seeded("window-vs-steps", geometry, layout)
+    rng, _ = _seeded("window-vs-steps", geometry, layout, span)
     q, k, v, k_pool, v_pool, tables, starts, qoffs, lens = _case(rng, heads, kv, dim, 16, [6])
-    sess = _op_session(library, heads, kv, dim, layout)
+    sess = _op_session(library, heads, kv, dim, layout, window=span)
 
     def run(rows: slice, start: int, pools) -> np.ndarray:
         n = rows.stop - rows.start

@@ -25,9 +25,8 @@ from dspark.runtime.engine.engine import Engine
 from dspark.runtime.sequence.request import GenerationRequest
 from dspark.runtime.sequence.stats import SourceStats
 
-from bundle_cache import compiled
+from model_fixtures import PAIRS
 
-PAIRS = [("llama", "classic"), ("llama", "dynamo"), ("gpt2", "classic"), ("gpt2", "dynamo")]
 LENGTHS = (1, 3, 5, 8, 13, 21, 34, 55)
 # no RAS cap, and speculation at every batch size (VLB would turn it off under load)
 WIDE = DFlashConfig(resources=ResourceConfig(table=(ResourceRow("cpu", 8),)),
@@ -147,29 +146,6 @@ def test_cancel_while_waiting_mid_prefill_and_mid_draft(fixture_pairs, compiled)
         assert seq.finish_reason == "cancelled"
         assert seq.id not in engine.arena.tables and seq.id not in engine.drafting.states
     assert engine.arena.free_blocks == engine.plan.num_blocks and not engine.scheduler.reserved
-
-
-def test_arena_grows_under_a_live_sequence(fixture_pairs, tmp_path):
-    """A resize that needs more blocks than the arena has, between steps of a running
-    sequence: the arena moves to a new buffer (blocks copied in place), the attention picks
-    it up, and the output stays the original model's."""
-    from dspark.compiler.compile import CompileOptions
-
-    main, draft = fixture_pairs[("gpt2", "classic")]
-    out = tmp_path / "small.dsmodel"
-    compiled(CompileOptions(main, draft, out, kv_budget_mb=1, max_seq_len=160))
-    bundle = open_bundle(out)
-    engine = Engine(bundle, "fixed", 4, config=WIDE)
-    seq = engine.submit(GenerationRequest(tuple(range(3, 40)), 48, method="draft"))
-    while len(seq.generated) < 10:
-        engine.step()
-    blocks, generation = engine.arena.plan.num_blocks, engine.arena.generation
-    engine.resize(20 * 160)
-    assert engine.arena.plan.num_blocks > blocks and engine.arena.generation == generation + 1
-    while engine.busy:
-        engine.step()
-    assert seq.generated == OriginalModel(main).greedy(list(range(3, 40)), 48)
-    assert engine.arena.free_blocks == engine.arena.plan.num_blocks
 
 
 @pytest.mark.slow

@@ -85,6 +85,30 @@ def test_verify_attention_matches_reference(geometry, window, splits, dtype, ker
     assert_close(got, want, TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize(("span", "splits"), [(5, 1), (20, 1), (5, 3), (40, 3)])
+@pytest.mark.parametrize("geometry", GEOMETRIES[:3], ids=lambda g: f"d{g[0]}h{g[1]}kv{g[2]}")
+def test_verify_attention_honours_a_sliding_window(geometry, span, splits, kernel_device,
+                                                   tmp_path):
+    """A sliding-window layer: each query sees the last `span` keys up to itself; blocks
+    wholly before a tile's window are skipped, and a split holding none of them weighs
+    nothing in the reduce."""
+    head_dim, heads, kv_heads = geometry
+    spec = KernelSpec(head_dim, heads, kv_heads, 16, "float32", q_tile=8)
+    rng, gen = _seeded("span", geometry, span, splits)
+    tables, start, new, qoff, tokens = _batch(rng, spec, 8, long=splits > 1)
+    dev = kernel_device
+    k, v = (torch.randn(48, kv_heads, 16, head_dim, generator=gen).to(dev) for _ in range(2))
+    q = torch.randn(tokens, heads, head_dim, generator=gen).to(dev)
+    tables, start, new, qoff = (x.to(dev) for x in (tables, start, new, qoff))
+    library = KernelLibrary(spec, str(tmp_path), interpret=dev.type == "cpu")
+    got = verify_attention(q, k, v, tables, start, new, qoff, 0.25, library, splits=splits,
+                           window=span)
+    want = verify_attention_reference(q, k, v, tables, start, new, qoff, 0.25, span)
+    assert_close(got, want, TOLERANCE["float32"])
+    full = verify_attention_reference(q, k, v, tables, start, new, qoff, 0.25)
+    assert not torch.allclose(got, full)  # the window cut something
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("head_dim", [16, 24, 64])
 def test_kv_inject_and_zero_match_reference(head_dim, dtype, kernel_device, tmp_path):

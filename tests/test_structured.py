@@ -23,6 +23,7 @@ from dspark.runtime.grammar.formats import response_format_grammar, schema_gramm
 from dspark.runtime.sequence.request import GenerationRequest
 from dspark.runtime.sequence.sampling import SamplingParams
 
+# grammar logic does not depend on the architecture: the two without sliding windows
 PAIRS = [("llama", "classic"), ("llama", "dynamo"), ("gpt2", "classic"), ("gpt2", "dynamo")]
 # bounded schemas: a random model stops only where the grammar makes it
 BOUNDED = [

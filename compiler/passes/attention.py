@@ -26,6 +26,17 @@ PROBS_PASS = frozenset({"Cast", "Identity", "Dropout"})
 SWAP_LAST = [0, 1, 3, 2]
 
 
+@dataclass(frozen=True)
+class SpanSource:
+    """Where a layer's mask is decided, for the span probe (passes/span.py)."""
+
+    node: str  # the node whose masking decides which keys a query sees (for messages)
+    scores: str | None = None  # eager: the raw scores Q.K^T
+    masked: str | None = None  # eager: Softmax's input; Attention: its mask input (or None)
+    factor: float = 1.0  # eager: the scale applied between `scores` and `masked`
+    causal: bool = False  # Attention: is_causal=1 (upper-left aligned, as ONNX defines it)
+
+
 @dataclass
 class AttentionMatch:
     layer: int
@@ -35,6 +46,7 @@ class AttentionMatch:
     out: gs.Variable  # what the attention produced, [batch, heads, seq, head_dim]
     terminal: gs.Node  # the node producing `out`
     scale: float | None  # None: the ONNX Attention default, 1/sqrt(head_dim)
+    span: SpanSource | None = None
 
 
 @dataclass
@@ -127,7 +139,14 @@ def _native_cache_attention(node: gs.Node, contract: InputContract, layer: int) 
         raise fail(f"Attention node '{node.name}' does not read past_key_values.{layer}.key")
     _check_attention_attrs(node, fail)
     return AttentionMatch(layer, node.inputs[0], node.inputs[1], node.inputs[2], node.outputs[0],
-                          node, node.attrs.get("scale"))
+                          node, node.attrs.get("scale"), _attention_span(node))
+
+
+def _attention_span(node: gs.Node) -> SpanSource:
+    """An ONNX Attention decides its span by its mask input and is_causal."""
+    mask = node.inputs[3] if len(node.inputs) > 3 and node.inputs[3].name else None
+    return SpanSource(node.name, masked=mask.name if mask is not None else None,
+                      causal=int(node.attrs.get("is_causal", 0)) == 1)
 
 
 def _check_attention_attrs(node: gs.Node, fail) -> None:
@@ -137,9 +156,10 @@ def _check_attention_attrs(node: gs.Node, fail) -> None:
         raise fail(f"Attention node '{node.name}' exposes its qk scores")
 
 
-def _scores_to_softmax(score: gs.Node, fail) -> tuple[gs.Node, float]:
-    """Walk scores -> Softmax through scale and mask ops; returns (Softmax, scale factor)."""
-    t, factor = score.outputs[0], 1.0
+def _scores_to_softmax(score: gs.Node, fail) -> tuple[gs.Node, float, str]:
+    """Walk scores -> Softmax through scale and mask ops; returns (Softmax, scale factor,
+    the first mask node's name, or the Softmax's when there is none)."""
+    t, factor, mask = score.outputs[0], 1.0, None
     while True:
         users = live_consumers(t)
         if len(users) != 1:
@@ -149,13 +169,15 @@ def _scores_to_softmax(score: gs.Node, fail) -> tuple[gs.Node, float]:
         if n.op == "Softmax":
             if n.attrs.get("axis", -1) not in (-1, 3):
                 raise fail(f"Softmax '{n.name}' is not over the key axis")
-            return n, factor
+            return n, factor, mask or n.name
         if step is not None:
             factor *= step
         elif n.op == "Tanh":
             raise fail(f"soft-capped attention (Tanh node '{n.name}') is not supported")
         elif n.op not in ("Add", "Where", "Cast"):
             raise fail(f"unexpected {n.op} node '{n.name}' between scores and Softmax")
+        elif n.op != "Cast":
+            mask = mask or n.name
         t = n.outputs[0]
 
 
@@ -166,15 +188,20 @@ def _eager(chain_k: _Chain, chain_v: _Chain, k_new, v_new, contract, layer) -> A
         raise fail(f"present.{layer}.key feeds {score.op} node '{score.name}', not a score MatMul")
     if chain_k.perms != [SWAP_LAST]:
         raise fail(f"key path transposes {chain_k.perms}, expected one swap of the last two axes")
-    softmax, factor = _scores_to_softmax(score, fail)
+    softmax, factor, mask = _scores_to_softmax(score, fail)
     t = softmax.outputs[0]
     while len(users := live_consumers(t)) == 1 and users[0].op in PROBS_PASS:
         t = users[0].outputs[0]
     out_mm = chain_v.end
     if out_mm.op != "MatMul" or out_mm.inputs[0] is not t or out_mm.inputs[1] is not chain_v.fed:
-        raise fail(f"Softmax '{softmax.name}' and present.{layer}.value do not meet in one MatMul")
+        users = ", ".join(f"{n.op} '{n.name}'" for n in live_consumers(t)) or "nothing"
+        raise fail(f"Softmax '{softmax.name}' and present.{layer}.value do not meet in one "
+                   f"MatMul: the probabilities ({t.name}) go to {users}, present.{layer}.value "
+                   f"to {chain_v.end.op} '{chain_v.end.name}'")
+    span = SpanSource(mask, scores=score.outputs[0].name, masked=softmax.inputs[0].name,
+                      factor=factor)
     return AttentionMatch(layer, score.inputs[0], k_new, v_new, out_mm.outputs[0], out_mm,
-                          factor * chain_k.factor)
+                          factor * chain_k.factor, span)
 
 
 def match_layer(tensors: dict, contract: InputContract, layer: int) -> AttentionMatch:
@@ -198,7 +225,8 @@ def match_layer(tensors: dict, contract: InputContract, layer: int) -> Attention
     _check_attention_attrs(node, fail)
     scale = node.attrs.get("scale")
     return AttentionMatch(layer, node.inputs[0], k_new, v_new, node.outputs[0], node,
-                          None if scale is None else scale * chain_k.factor)
+                          None if scale is None else scale * chain_k.factor,
+                          _attention_span(node))
 
 
 def find_attentions(graph: gs.Graph, contract: InputContract) -> list[AttentionMatch]:

@@ -1,8 +1,8 @@
 """Stage 2 rewrites: each matched attention becomes one ai.dspark::SpeculativeVerify node.
 
     q ------+
-    k_new --+--> SpeculativeVerify(layer, num_heads, num_kv_heads, head_dim, scale) --> out
-    v_new --+
+    k_new --+--> SpeculativeVerify(layer, num_heads, num_kv_heads, head_dim, scale,
+    v_new --+                      window) --> out
 The cache plumbing (past inputs, Concat, repeat_kv, mask, present outputs) goes dead and
 `cleanup()` removes it: the runtime owns the cache.
 """
@@ -50,8 +50,9 @@ def verify_node_name(role: str, layer: int) -> str:
 
 
 def insert_verify_nodes(graph: gs.Graph, matches: list[AttentionMatch],
-                        geometry: list[LayerGeometry], role: str) -> int:
-    for m, geo in zip(matches, geometry):
+                        geometry: list[LayerGeometry], windows: list[int], role: str) -> int:
+    """`windows`: each layer's attention window (0: every earlier position; passes/span.py)."""
+    for m, geo, window in zip(matches, geometry, windows):
         name = verify_node_name(role, m.layer)
         out = gs.Variable(f"{name}/output_0", dtype=m.out.dtype or np.float32, shape=m.out.shape)
         scale = m.scale if m.scale is not None else 1.0 / math.sqrt(geo.head_dim)
@@ -59,7 +60,7 @@ def insert_verify_nodes(graph: gs.Graph, matches: list[AttentionMatch],
             op=VERIFY_OP, name=name, domain=VERIFY_DOMAIN,
             attrs={"layer": m.layer, "num_heads": geo.num_heads,
                    "num_kv_heads": geo.num_kv_heads, "head_dim": geo.head_dim,
-                   "scale": float(scale)},
+                   "scale": float(scale), "window": int(window)},
             inputs=[m.q, m.k_new, m.v_new], outputs=[out],
         )
         replace_uses(graph, m.out, out)

@@ -11,6 +11,7 @@ sequence holds positions [b*block_size, (b+1)*block_size) in main and in draft a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
@@ -80,19 +81,14 @@ class MemoryPlan:
 
 
 def resized(plan: MemoryPlan, max_seq_len: int) -> MemoryPlan:
-    """The plan with another max sequence length; the arena grows (never shrinks) so that
-    one sequence of that length fits."""
-    blocks = max(plan.num_blocks, math.ceil(max_seq_len / plan.block_size))
-    pools, offset = [], 0
-    for p in plan.pools:
-        layer_bytes = blocks * p.num_kv_heads * plan.block_size * p.head_dim * (
-            p.bytes_per_token // (2 * p.num_layers * p.num_kv_heads * p.head_dim))
-        pools.append(PoolLayout(p.role, p.num_layers, p.num_kv_heads, p.head_dim, p.dtype,
-                                p.bytes_per_token, offset, layer_bytes))
-        offset += 2 * p.num_layers * layer_bytes
-    blocks_per_seq = math.ceil(max_seq_len / plan.block_size)
-    return MemoryPlan(plan.block_size, blocks, max_seq_len, blocks // blocks_per_seq,
-                      max(plan.budget_bytes, offset), tuple(pools))
+    """The plan with another max sequence length, at most the one it was made for (its
+    arena holds one sequence of it)."""
+    if math.ceil(max_seq_len / plan.block_size) > plan.num_blocks:
+        raise DSparkError(f"max_seq_len {max_seq_len} needs more blocks than the arena's "
+                          f"{plan.num_blocks}")
+    return dataclasses.replace(plan, max_seq_len=max_seq_len,
+                               max_seqs=plan.num_blocks // math.ceil(max_seq_len
+                                                                     / plan.block_size))
 
 
 def without_pools(plan: MemoryPlan, roles: frozenset[str]) -> MemoryPlan:

@@ -27,7 +27,8 @@ class VerifyOp:
     verify_layout pass): q/k/v hold the same values token-major in any shape (memory order
     token, head, dim) and out is [1, T, num_heads * head_dim]. The op appends k_new/v_new to
     layer `layer` of the cache and attends each new token over its own sequence's positions
-    up to and including itself.
+    up to and including itself: all of them (window 0), or the last `window` (a sliding
+    window layer: the query at position p sees p-window+1 .. p).
     """
 
     name: str
@@ -42,10 +43,17 @@ class VerifyOp:
     scale: float
     after_segment: int
     layout: str = "heads"
+    window: int = 0
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"{self.name}: layout {self.layout!r} not in {LAYOUTS}")
+        if self.window < 0:
+            raise ValueError(f"{self.name}: window {self.window} < 0")
+
+    def first_key(self, position: int) -> int:
+        """The first position the query at `position` attends to."""
+        return max(0, position - self.window + 1) if self.window else 0
 
 
 @dataclass(frozen=True)
@@ -70,8 +78,14 @@ class ModelSpec:
     weights_file: str  # shared external data of graph_file and every segment
     segments: tuple[Segment, ...]
     verify_ops: tuple[VerifyOp, ...]
-    # positions the graph can embed (its rotary tables' rows); None: no such limit
+    # positions the bundle serves at most: its rotary tables' rows, and the length its
+    # attention spans were proven to (dsc compile --max-seq-len); None: older bundles
     max_positions: int | None = None
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Each layer's attention window (0: every earlier position), by layer."""
+        return tuple(op.window for op in sorted(self.verify_ops, key=lambda op: op.layer))
 
     def same_cache(self, other: ModelSpec) -> bool:
         """Whether `other`'s KV cache has this model's layers, heads and dtype."""

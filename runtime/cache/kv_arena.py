@@ -73,7 +73,6 @@ class KVArena:
         self.device = device or torch.device("cpu")
         self.buffer = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=self.device)
         self.pools = {p.role: Pool(self.buffer, p, plan) for p in plan.pools}
-        self.generation = 0  # bumped when the buffer is reallocated
         self.free: list[int] = list(range(plan.num_blocks))  # a heap: lowest ids first
         self.owner: dict[int, int] = {}  # block -> sequence
         self.tables: dict[int, BlockTable] = {}
@@ -90,20 +89,6 @@ class KVArena:
     @property
     def used_blocks(self) -> int:
         return self.plan.num_blocks - len(self.free)
-
-    def grow(self, plan: MemoryPlan) -> None:
-        """Adopt a plan with at least as many blocks: a new buffer, every block copied to the
-        same index, block tables unchanged. Only between forwards."""
-        old_pools, old_blocks = self.pools, self.plan.num_blocks
-        buffer = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=self.device)
-        pools = {p.role: Pool(buffer, p, plan) for p in plan.pools}
-        for role, pool in pools.items():
-            for new, old in zip(pool.k + pool.v, old_pools[role].k + old_pools[role].v):
-                new[:old_blocks] = old
-        self.buffer, self.pools, self.plan = buffer, pools, plan
-        for block in range(old_blocks, plan.num_blocks):
-            heapq.heappush(self.free, block)
-        self.generation += 1
 
     def add_sequence(self, seq_id: int) -> None:
         self.tables[seq_id] = BlockTable()

@@ -280,13 +280,14 @@ class Engine:
         self._release(seq)
 
     def resize(self, max_seq_len: int) -> MemoryPlan:
-        """New max sequence length (RequestError past a model's rotary tables)."""
+        """New max sequence length (RequestError past the positions a model was compiled
+        for: its rotary tables and its proven attention spans)."""
         for role, spec in self.bundle.models.items():
             if spec.max_positions is not None and max_seq_len > spec.max_positions:
                 raise RequestError(
                     f"max_length {max_seq_len} is past the {spec.max_positions} positions the "
-                    f"{role} model's rotary tables were compiled for (dsc compile "
-                    "--max-seq-len)", param="max_length", code="max_length_exceeded")
+                    f"{role} model was compiled for (its rotary tables and attention spans; "
+                    "dsc compile --max-seq-len)", param="max_length", code="max_length_exceeded")
         return self.scheduler.resize(max_seq_len, self.arena)
 
     def warmup(self, main_sizes=(*range(1, 10), 16, 32, 64), draft_sizes=(1, 2, 3, 4, 8, 16)

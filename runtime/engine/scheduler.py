@@ -126,14 +126,13 @@ class Scheduler:
         return self.running + [s for q in self.waiting.values() for s in q]
 
     def resize(self, max_seq_len: int, arena: KVArena) -> MemoryPlan:
-        """Change the max sequence length between steps; the arena grows if one sequence of
-        that length would not fit. Refused (ConflictError) below a running sequence."""
+        """Change the max sequence length between steps, within the positions the bundle was
+        compiled for (the arena holds one sequence of that length). Refused (ConflictError)
+        below a running sequence."""
         longest = max((s.prompt_len + s.request.max_tokens for s in self.sequences()), default=0)
         if longest > max_seq_len:
             raise ConflictError(f"max_length {max_seq_len} is below a running sequence "
                                 f"(prompt + max_tokens up to {longest})")
         plan = resized(self.plan, max_seq_len)
-        if plan.num_blocks > self.plan.num_blocks:
-            arena.grow(plan)
         self.plan = arena.plan = plan
         return plan

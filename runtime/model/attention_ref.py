@@ -4,7 +4,7 @@ For each sequence in the flattened batch, its new tokens attend over the cached 
 plus the new tokens before them (causal inside the window):
 
     cache  [0 ............ start)      new tokens [start .. start+n)
-    query j (position start+j) sees keys 0 .. start+j
+    query j (position p = start+j) sees keys 0 .. p, or p-W+1 .. p in a layer of window W
 """
 
 from __future__ import annotations
@@ -18,22 +18,24 @@ from dspark.runtime.model.batch import FlatBatch
 from dspark.runtime.model.contiguous_cache import ContiguousKVCache
 
 
-def causal_window_mask(start: int, n: int) -> torch.Tensor:
-    """[n, start+n] bool, True where query j may attend key i."""
-    keys = torch.arange(start + n)
-    queries = start + torch.arange(n)
-    return keys[None, :] <= queries[:, None]
+def causal_window_mask(start: int, n: int, window: int = 0) -> torch.Tensor:
+    """[n, start+n] bool, True where query j may attend key i (the last `window` keys up to
+    itself when window > 0)."""
+    keys = torch.arange(start + n)[None, :]
+    queries = (start + torch.arange(n))[:, None]
+    visible = keys <= queries
+    return visible & (keys > queries - window) if window else visible
 
 
 def verify_attention(q: torch.Tensor, cache: ContiguousKVCache, layer: int, batch: FlatBatch,
-                     scale: float) -> torch.Tensor:
+                     scale: float, window: int = 0) -> torch.Tensor:
     """q: [heads, T, head_dim] -> [heads, T, head_dim]; the cache already holds the new K/V."""
     out = torch.empty_like(q)
     for i in range(batch.num_seqs):
         a, b = batch.seq_range(i)
         start = int(batch.starts[i])
         k, v = cache.read(layer, int(batch.slots[i]), start + b - a)
-        mask = causal_window_mask(start, b - a)
+        mask = causal_window_mask(start, b - a, window)
         out[:, a:b] = F.scaled_dot_product_attention(
             q[None, :, a:b], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
         )[0]
@@ -51,4 +53,5 @@ class ReferenceAttention:
         """q [T, heads, d], k/v [T, kv, d] -> [T, heads, d]."""
         k, v, q = (torch.from_numpy(np.ascontiguousarray(x)).transpose(0, 1) for x in (k, v, q))
         self.cache.append(op.layer, k, v, batch)
-        return verify_attention(q, self.cache, op.layer, batch, op.scale).transpose(0, 1).numpy()
+        return verify_attention(q, self.cache, op.layer, batch, op.scale,
+                                op.window).transpose(0, 1).numpy()

@@ -4,8 +4,8 @@ The bundle's whole graph (ModelSpec.graph_file) with each SpeculativeVerify node
 arena and the batch's block tables as extra inputs:
 
     SpeculativeVerify(q, k, v, k_pool[layer], v_pool[layer], tables, starts, qoffs, news)
-The pools are bound to the arena's own memory (zero copy; the op appends to them in place),
-rebound only when the arena grows. So a step is one run() and no Python between layers: the
+The pools are bound to the arena's own memory once (zero copy; the op appends to them in
+place). So a step is one run() and no Python between layers: the
 segmented executor (executor.py) hands each of ~31 segments to onnxruntime's pool and runs
 the attention in between on one thread, which cost a SmolLM2 decode step 3 ms of 22.
 
@@ -61,7 +61,8 @@ def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int],
                 helper.make_attribute("num_kv_heads", op.num_kv_heads),
                 helper.make_attribute("head_dim", op.head_dim),
                 helper.make_attribute("scale", float(op.scale)),
-                helper.make_attribute("layout", op.layout)])
+                helper.make_attribute("layout", op.layout),
+                helper.make_attribute("window", op.window)])
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     for layer in sorted({op.layer for op in spec.verify_ops}):
         for name in pool_inputs(layer):
@@ -96,7 +97,7 @@ class FusedModel:
         self.layers = sorted({op.layer for op in self.spec.verify_ops})
         self.input_types = id_input_types(self.sessions)
         self.binding = self.session.io_binding()
-        self.generation = -1
+        self._bind_pools()
 
     def _bind_pools(self) -> None:
         pool = self.arena.pools[self.pool]
@@ -104,7 +105,6 @@ class FusedModel:
             for name, tensor in zip(pool_inputs(layer), (pool.k[layer], pool.v[layer])):
                 self.binding.bind_input(name, "cpu", 0, np.float32, list(tensor.shape),
                                         tensor.data_ptr())
-        self.generation = self.arena.generation
 
     def _tables(self, batch: FlatBatch) -> np.ndarray:
         """[sequences, blocks] arena block of each sequence's logical blocks (reserved by
@@ -121,8 +121,6 @@ class FusedModel:
                 clock: StepClock | None = None) -> np.ndarray:
         """Logits [len(rows), vocab] for the chosen rows (default: every row), as
         SegmentedModel.forward."""
-        if self.generation != self.arena.generation:  # the arena grew: new buffer
-            self._bind_pools()
         io, types = self.binding, self.input_types
         io.bind_cpu_input(INPUT_IDS, batch.token_ids[None].astype(types.get(INPUT_IDS, np.int64)))
         if POSITION_IDS in types:

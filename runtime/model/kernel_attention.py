@@ -83,7 +83,8 @@ class KernelAttention:
         q, k, v = (x.contiguous() for x in (q, k, v))
         kv_inject(k, v, k_pool, v_pool, meta.slot_block, meta.slot_offset, self.library)
         out = verify_attention(q, k_pool, v_pool, meta.tables, meta.start, meta.new,
-                               meta.qoff, op.scale, self.library, meta.max_new, meta.max_len)
+                               meta.qoff, op.scale, self.library, meta.max_new, meta.max_len,
+                               window=op.window)
         return out.numpy() if host else out
 
     def zero(self, blocks: torch.Tensor, offsets: torch.Tensor) -> None:

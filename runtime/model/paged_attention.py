@@ -7,13 +7,14 @@ window (prefill) is gathered by head and runs as matmuls, on onnxruntime's threa
 
     arena K [block][kv_head][block_size][head_dim] --its blocks, by head--> [kv, L, d]
     q [heads, n, d] -> [kv, group*n, d] --(q*scale K^T, causal bias, softmax, @ V)--> out
-Query j of a sequence (position start+j) sees keys 0..start+j. The numpy path also serves
-arenas that are not float32 (the compiled kernel is float32 only).
+Query j of a sequence (position p = start+j) sees keys 0..p, or p-W+1..p in a layer of
+window W. The numpy path also serves arenas that are not float32 (the compiled kernel is
+float32 only).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,10 +32,27 @@ ORT_WINDOW = 64 * 64
 class SeqView:
     rows: slice  # the sequence's tokens in the flattened batch
     blocks: slice | np.ndarray  # its blocks in the arena (a slice when consecutive)
+    start: int  # cached positions before this step
     length: int  # keys to attend: cached + new
-    bias: np.ndarray | None  # [n, length]: 0 where query j may see key i, else -inf
     write_blocks: np.ndarray  # arena block of each new token
     write_offsets: np.ndarray  # offset of each new token inside its block
+
+    @property
+    def pairs(self) -> int:
+        """(query, key) pairs of its window, the size of its attention."""
+        return (self.length - self.start) * self.length
+
+
+def visible_bias(start: int, n: int, window: int) -> np.ndarray | None:
+    """[n, start+n]: 0 where query j may see key i, else -inf; None when one query sees
+    every key (a decode step outside any window's cut)."""
+    if n == 1 and (not window or start < window):
+        return None
+    keys, queries = np.arange(start + n)[None, :], (start + np.arange(n))[:, None]
+    visible = keys <= queries
+    if window:
+        visible &= keys > queries - window
+    return np.where(visible, 0.0, -np.inf).astype(np.float32)
 
 
 def _blocks(table: list[int]) -> slice | np.ndarray:
@@ -50,11 +68,7 @@ def build_views(arena: KVArena, batch: FlatBatch) -> list[SeqView]:
         start, n = int(batch.starts[i]), b - a
         table = arena.tables[int(batch.slots[i])].blocks[: -(-(start + n) // bs)]
         positions = batch.positions[a:b]
-        bias = None
-        if n > 1:
-            visible = np.arange(start + n)[None, :] <= (start + np.arange(n))[:, None]
-            bias = np.where(visible, 0.0, -np.inf).astype(np.float32)
-        views.append(SeqView(slice(a, b), _blocks(table), start + n, bias,
+        views.append(SeqView(slice(a, b), _blocks(table), start, start + n,
                              np.array([table[p // bs] for p in positions]), positions % bs))
     return views
 
@@ -94,6 +108,14 @@ class BatchMeta:
     news: np.ndarray
     compiled: np.ndarray  # the sequences the compiled kernel takes
     windows: list[SeqView]  # the others: numpy or onnxruntime, gathered by head
+    biases: dict = field(default_factory=dict)  # (view index, layer window) -> visible_bias
+
+    def bias(self, index: int, window: int) -> np.ndarray | None:
+        key = (index, window)
+        if key not in self.biases:
+            view = self.windows[index]
+            self.biases[key] = visible_bias(view.start, view.length - view.start, window)
+        return self.biases[key]
 
 
 def batch_meta(arena: KVArena, batch: FlatBatch, views: list[SeqView], float32: bool
@@ -105,7 +127,7 @@ def batch_meta(arena: KVArena, batch: FlatBatch, views: list[SeqView], float32: 
     for i, view in enumerate(views):
         blocks = arena.tables[int(batch.slots[i])].blocks[: -(-view.length // bs)]
         tables[i, : len(blocks)] = blocks
-        small = view.bias is None or view.bias.size < ORT_WINDOW
+        small = view.length == view.start + 1 or view.pairs < ORT_WINDOW
         (compiled.append(i) if float32 and small else windows.append(view))
     return BatchMeta(tables, batch.starts.astype(np.int64), batch.cu_seqlens[:-1].astype(np.int64),
                      news.astype(np.int64), np.array(compiled, np.int64), windows)
@@ -120,16 +142,13 @@ class PagedAttention:
     def __init__(self, arena: KVArena, role: str):
         self.arena = arena
         self.role = role
-        self.generation = -1
+        pool = arena.pools[role]
+        self.k = [t.numpy() for t in pool.k]
+        self.v = [t.numpy() for t in pool.v]
         self._batch: FlatBatch | None = None
         self._meta: BatchMeta | None = None
 
     def meta(self, batch: FlatBatch) -> BatchMeta:
-        if self.generation != self.arena.generation:  # the arena grew: new buffer
-            pool = self.arena.pools[self.role]
-            self.k = [t.numpy() for t in pool.k]
-            self.v = [t.numpy() for t in pool.v]
-            self.generation = self.arena.generation
         if batch is not self._batch:
             float32 = self.k[0].dtype == np.float32
             self._batch = batch
@@ -145,11 +164,12 @@ class PagedAttention:
         if len(m.compiled):
             q, k, v = (np.ascontiguousarray(x, np.float32) for x in (q, k, v))
             cpu_verify_attention(q, k, v, ka, va, m.tables, m.starts, m.qoffs, m.news,
-                                 m.compiled, op.scale, out)
-        for s in m.windows:
+                                 m.compiled, op.scale, out, op.window)
+        for i, s in enumerate(m.windows):
             ka[s.write_blocks, :, s.write_offsets] = k[s.rows]
             va[s.write_blocks, :, s.write_offsets] = v[s.rows]
-            fn = ort_attend if s.bias is not None and s.bias.size >= ORT_WINDOW else attend
+            bias = m.bias(i, op.window)
+            fn = ort_attend if bias is not None and s.pairs >= ORT_WINDOW else attend
             out[s.rows] = fn(q[s.rows].swapaxes(0, 1), by_head(ka, s.blocks, s.length),
-                             by_head(va, s.blocks, s.length), s.bias, op.scale).swapaxes(0, 1)
+                             by_head(va, s.blocks, s.length), bias, op.scale).swapaxes(0, 1)
         return out
