@@ -3,9 +3,12 @@
     inputs   input_ids [batch, seq], attention_mask [batch, past+seq],
              past_key_values.{i}.key|value [batch, kv_heads, past, head_dim]
     outputs  logits [batch, seq, vocab], present.{i}.key|value
-Two forms: "classic" (eager attention, torch.onnx dynamo=False, opset 17: MatMul-Softmax-MatMul)
-and "dynamo" (sdpa, dynamo=True, opset 23: standard ONNX Attention nodes). Used by the samples
-and the test fixtures; needs the dev extra (transformers, onnxscript).
+Three forms: "classic" (eager attention, torch.onnx dynamo=False, opset 17:
+MatMul-Softmax-MatMul), "sdpa" (what optimum-cli writes: sdpa attention, dynamo=False, opset
+18: q and k each scaled by sqrt(scale), a NaN guard after the Softmax) and "dynamo" (sdpa,
+dynamo=True, opset 23: standard ONNX Attention nodes). The model's attention implementation
+must match (eager for classic, sdpa otherwise). Used by the samples and the test fixtures;
+needs the dev extra (transformers, onnxscript).
 """
 
 from __future__ import annotations
@@ -63,23 +66,27 @@ def export_causal_lm(model: torch.nn.Module, path: Path, form: str) -> Path:
     inputs, outputs = io_names(layers)
     path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
-        if form == "classic":
-            _export_classic(wrapper, (ids, mask, *cache), path, inputs, outputs)
+        if form in CLASSIC_OPSETS:
+            _export_classic(wrapper, (ids, mask, *cache), path, inputs, outputs,
+                            CLASSIC_OPSETS[form])
         elif form == "dynamo":
             _export_dynamo(wrapper, (ids, mask, *cache), path, inputs, outputs, layers)
         else:
-            raise ValueError(f"form must be 'classic' or 'dynamo', got {form!r}")
+            raise ValueError(f"form must be 'classic', 'sdpa' or 'dynamo', got {form!r}")
     return path
 
 
-def _export_classic(wrapper, args, path, inputs, outputs) -> None:
+CLASSIC_OPSETS = {"classic": 17, "sdpa": 18}  # the torchscript exporter's forms
+
+
+def _export_classic(wrapper, args, path, inputs, outputs, opset: int) -> None:
     axes = {"input_ids": {0: "batch", 1: "sequence"},
             "attention_mask": {0: "batch", 1: "total_sequence"},
             "logits": {0: "batch", 1: "sequence"}}
     axes.update({n: {0: "batch", 2: "past_sequence"} for n in inputs[2:]})
     axes.update({n: {0: "batch", 2: "total_sequence"} for n in outputs[1:]})
     torch.onnx.export(wrapper, args, str(path), input_names=inputs, output_names=outputs,
-                      dynamic_axes=axes, opset_version=17, dynamo=False)
+                      dynamic_axes=axes, opset_version=opset, dynamo=False)
 
 
 def _export_dynamo(wrapper, args, path, inputs, outputs, layers) -> None:

@@ -139,3 +139,14 @@ def chunked_model(src: Path, path: Path, layer: int = 1, chunk: int = 4) -> Path
     softmax.inputs[0] = outs[4]
     onnx.save(gs.export_onnx(graph.toposort()), str(path))
     return path
+
+
+def broken_guard_model(src: Path, path: Path, layer: int = 0) -> Path:
+    """optimum's form with layer `layer`'s NaN guard replaced by Where(IsNaN(p), 1, p): not
+    a guard that leaves the probabilities unchanged, so the attention cannot be matched."""
+    graph = gs.import_onnx(onnx.load(str(src)))
+    wheres = [n for n in graph.nodes if n.op == "Where" and n.inputs[0].inputs
+              and n.inputs[0].inputs[0].op == "IsNaN"]
+    wheres[layer].inputs[1] = gs.Constant(f"/broken_guard_{layer}", np.array(1.0, np.float32))
+    onnx.save(gs.export_onnx(graph), str(path))
+    return path

@@ -2,7 +2,8 @@
 
 Each architecture has a main model and a smaller draft (fewer layers, sharing the main's
 embeddings and first layers, so the draft often agrees with the main), both exported in the
-two forms users produce: classic (eager, opset 17) and dynamo (sdpa, opset 23). Two have
+three forms users produce: classic (eager, opset 17), dynamo (sdpa, opset 23) and sdpa
+(optimum-cli's: the classic exporter over sdpa attention, opset 18, NaN guards). Two have
 sliding-window layers of 8 positions: gemma3 (5 sliding layers, then a global one, q/k norm,
 tied head) and mistral (every layer sliding).
 """
@@ -18,7 +19,7 @@ import torch
 from dspark.compiler.hf_export import export_causal_lm
 
 ARCHS = ("llama", "gpt2", "gemma3", "mistral")
-FORMS = ("classic", "dynamo")
+FORMS = ("classic", "dynamo", "sdpa")
 PAIRS = tuple((a, f) for a in ARCHS for f in FORMS)
 SLIDING_WINDOW = 8  # gemma3's and mistral's
 MAIN_LAYERS = {"gemma3": 6}  # Gemma 3's pattern: 5 sliding layers, then a global one

@@ -105,6 +105,15 @@ def test_chunked_attention_is_refused_naming_layer_and_node(capsys, llama, outdi
     _only(model, ["chunked.onnx"])
 
 
+def test_blocked_match_names_the_node_that_blocks_it(capsys, fixture_pairs, outdir):
+    """A Where after the Softmax that is not SDPA's NaN guard: the message names it."""
+    main, draft = fixture_pairs[("llama", "sdpa")]
+    model = bad_models.broken_guard_model(main, outdir / "guard.onnx")
+    r = run_dsc(capsys, "compile", model, draft, "-o", outdir / "b.dsmodel")
+    _refused(r, "guard.onnx", "layer 0", "do not meet in one MatMul", "IsNaN '", "Where '")
+    _only(model, ["guard.onnx"])
+
+
 def test_output_exists_without_force(capsys, llama, outdir):
     (outdir / "b.dsmodel").mkdir()
     (outdir / "b.dsmodel" / "keep.txt").write_text("mine")

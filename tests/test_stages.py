@@ -38,15 +38,19 @@ def test_optimize_folds_constants_and_types_every_tensor(optimized):
         assert not untyped, (key, untyped[:5])
 
 
-@pytest.mark.parametrize("form,terminal", [("classic", "MatMul"), ("dynamo", "Attention")])
+@pytest.mark.parametrize("form,terminal", [("classic", "MatMul"), ("dynamo", "Attention"),
+                                           ("sdpa", "MatMul")])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_attention_found_in_every_layer(optimized, arch, form, terminal):
+    """sdpa (optimum's form): q and k each scaled by sqrt(scale), a NaN guard after the
+    Softmax; the match takes q before its scaling and folds it into the scale."""
     contract, graph = optimized[(arch, form)]
     matches = find_attentions(graph, contract)
     assert [m.layer for m in matches] == [0, 1, 2]
     for m in matches:
         assert m.terminal.op == terminal
         assert m.scale == pytest.approx(0.25)  # 1/sqrt(head_dim 16)
+        assert not (m.q.inputs and m.q.inputs[0].op == "Mul" and len(m.q.outputs) == 1)
         # k_new and v_new feed present.i (concatenated after the past), q does not
         concat_inputs = {t.name for n in graph.nodes if n.op == "Concat" for t in n.inputs}
         assert m.k_new.name in concat_inputs and m.v_new.name in concat_inputs

@@ -181,6 +181,37 @@ def _scores_to_softmax(score: gs.Node, fail) -> tuple[gs.Node, float, str]:
         t = n.outputs[0]
 
 
+def _nan_guard(t: gs.Variable) -> gs.Variable | None:
+    """The output of Where(IsNaN(t), 0, t) when that guard is all t feeds, else None.
+
+    torch's SDPA export adds it after the Softmax (optimum's opset-18 exports): a row whose
+    every key is masked is NaN and becomes 0. A causal row always sees its own key, so the
+    guard never fires here and the probabilities pass through unchanged:
+        p --+--> IsNaN --> Where(nan, 0, p) --> probabilities
+            +------------------^
+    """
+    users = live_consumers(t)
+    isnan = next((n for n in users if n.op == "IsNaN"), None)
+    where = next((n for n in users if n.op == "Where"), None)
+    if len(users) != 2 or isnan is None or where is None:
+        return None
+    ok = (where.inputs[0] is isnan.outputs[0] and where.inputs[2] is t
+          and scalar(where.inputs[1]) == 0.0 and live_consumers(isnan.outputs[0]) == [where])
+    return where.outputs[0] if ok else None
+
+
+def _probabilities(t: gs.Variable) -> gs.Variable:
+    """Softmax's output past casts, identities, dropout and SDPA's NaN guard."""
+    while True:
+        users = live_consumers(t)
+        if len(users) == 1 and users[0].op in PROBS_PASS:
+            t = users[0].outputs[0]
+        elif (guarded := _nan_guard(t)) is not None:
+            t = guarded
+        else:
+            return t
+
+
 def _eager(chain_k: _Chain, chain_v: _Chain, k_new, v_new, contract, layer) -> AttentionMatch:
     fail = lambda why: _unmappable(contract, layer, why)  # noqa: E731
     score = chain_k.end
@@ -189,9 +220,7 @@ def _eager(chain_k: _Chain, chain_v: _Chain, k_new, v_new, contract, layer) -> A
     if chain_k.perms != [SWAP_LAST]:
         raise fail(f"key path transposes {chain_k.perms}, expected one swap of the last two axes")
     softmax, factor, mask = _scores_to_softmax(score, fail)
-    t = softmax.outputs[0]
-    while len(users := live_consumers(t)) == 1 and users[0].op in PROBS_PASS:
-        t = users[0].outputs[0]
+    t = _probabilities(softmax.outputs[0])
     out_mm = chain_v.end
     if out_mm.op != "MatMul" or out_mm.inputs[0] is not t or out_mm.inputs[1] is not chain_v.fed:
         users = ", ".join(f"{n.op} '{n.name}'" for n in live_consumers(t)) or "nothing"
@@ -200,8 +229,27 @@ def _eager(chain_k: _Chain, chain_v: _Chain, k_new, v_new, contract, layer) -> A
                    f"to {chain_v.end.op} '{chain_v.end.name}'")
     span = SpanSource(mask, scores=score.outputs[0].name, masked=softmax.inputs[0].name,
                       factor=factor)
-    return AttentionMatch(layer, score.inputs[0], k_new, v_new, out_mm.outputs[0], out_mm,
-                          factor * chain_k.factor, span)
+    q, q_factor = _unscaled(score.inputs[0])
+    return AttentionMatch(layer, q, k_new, v_new, out_mm.outputs[0], out_mm,
+                          factor * chain_k.factor * q_factor, span)
+
+
+def _unscaled(t: gs.Variable) -> tuple[gs.Variable, float]:
+    """q before the scalar Mul/Div that feed only the score MatMul, and their factor.
+
+    torch's SDPA export scales q and k by sqrt(scale) each (optimum's exports): the scale
+    joins SpeculativeVerify's, so its q is the rotary's output, which the rotary fusion and
+    the token-row layout then reach."""
+    factor = 1.0
+    while len(t.inputs) == 1 and len(live_consumers(t)) == 1:
+        n = t.inputs[0]
+        source = next((i for i in n.inputs if isinstance(i, gs.Variable)), None)
+        step = _scale_step(n, source) if source is not None else None
+        if step is None:
+            break
+        factor *= step
+        t = source
+    return t, factor
 
 
 def match_layer(tensors: dict, contract: InputContract, layer: int) -> AttentionMatch:

@@ -73,9 +73,23 @@ def _reshaped(shape: tuple[int, ...], target: np.ndarray, allowzero: int) -> tup
         return None
 
 
+def _same_heads_shape(node: gs.Node, heads: int, dim: int) -> bool:
+    """A Reshape to a constant target that leaves [1, heads, T, dim] as it is (torch's SDPA
+    export adds one after the attention)."""
+    target = node.inputs[1] if node.op == "Reshape" and len(node.inputs) > 1 else None
+    if not isinstance(target, gs.Constant):
+        return False
+    zero = int(node.attrs.get("allowzero", 0))
+    return all(_reshaped((1, heads, t, dim), target.values, zero) == (1, heads, t, dim)
+               for t in (1, 5))
+
+
 def token_sinks(out: gs.Variable, heads: int, dim: int) -> list[gs.Node] | None:
-    """The Reshapes that read `out` through Transpose(0,2,1,3), if that is all that reads it
-    and each gives the same shape from [1, T, heads*dim] as from the transposed tensor."""
+    """The Reshapes that read `out` through Transpose(0,2,1,3) (and any Reshapes that keep
+    its shape before it), if that is all that reads it and each gives the same shape from
+    [1, T, heads*dim] as from the transposed tensor."""
+    while len(out.outputs) == 1 and _same_heads_shape(out.outputs[0], heads, dim):
+        out = out.outputs[0].outputs[0]
     if len(out.outputs) != 1 or not _swaps_heads(out.outputs[0]):
         return None
     y = out.outputs[0].outputs[0]
