@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspark.compiler.bundle_writer import check_output, list_files, publish, staged_bundle
-from dspark.compiler.contract import InputContract, check_contract, load_header
+from dspark.compiler.contract import InputContract, check_contract, load_header, model_file
 from dspark.compiler.kernel_stage import build_kernels
 from dspark.compiler.model_pipeline import compile_model
 from dspark.compiler.progress import Progress
@@ -102,17 +102,18 @@ def _check_vocab(paths: dict[str, Path], vocab: dict[str, int | None]) -> None:
 
 def check_inputs(opts: CompileOptions
                  ) -> tuple[dict[str, InputContract], Path | None, TokenMap | None]:
-    contracts = {r: check_contract(opts.model_path(r), load_header(opts.model_path(r)))
-                 for r in opts.roles}
+    files = {r: model_file(opts.model_path(r)) for r in opts.roles}
+    contracts = {r: check_contract(files[r], load_header(files[r])) for r in opts.roles}
     for role in (r for r in opts.roles[1:] if opts.vocab_checked(r)):
         _check_vocab({"main": opts.main, "draft": opts.model_path(role)},
                      {"main": contracts["main"].vocab_size, "draft": contracts[role].vocab_size})
-    tokenizer = find_tokenizer(opts.tokenizer, opts.main)
+    tokenizer = find_tokenizer(opts.tokenizer, files["main"])
     if tokenizer is not None:
         tokenizer_vocab_size(tokenizer)
     mapping = None
     if opts.draft is not None:
-        mapping = resolve_token_map(tokenizer, draft_tokenizer(opts.draft_tokenizer, opts.draft),
+        mapping = resolve_token_map(tokenizer, draft_tokenizer(opts.draft_tokenizer,
+                                                               files["draft"]),
                                     opts.token_map, opts.auto_token_map)
     check_output(opts.out, opts.force)
     return contracts, tokenizer, mapping

@@ -7,6 +7,7 @@ Checked on the graph's I/O alone (no weights loaded), so a wrong file fails in m
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,14 @@ class InputContract:
     kv_dtype: int
     vocab_size: int | None  # the logits' last dim when static
     data_files: tuple[str, ...]  # external data files the model names, relative to it
+    # per layer, the rows its past buffer must have at least: a GroupQueryAttention with a
+    # window-sized cache (sliding_window_cache=1, onnxruntime-genai's default for sliding
+    # layers) refuses one smaller than its window; 0 elsewhere
+    min_cache: tuple[int, ...] = ()
+
+    def cache_rows(self, layer: int, past: int) -> int:
+        """Rows of layer `layer`'s past buffer holding `past` positions."""
+        return max(past, self.min_cache[layer]) if self.min_cache else past
 
     @property
     def has_attention_mask(self) -> bool:
@@ -57,6 +66,26 @@ class InputContract:
     def removed_inputs(self) -> tuple[str, ...]:
         """Graph inputs the runtime replaces (the KV cache, the mask)."""
         return tuple(n for n in self.inputs if _PAST.match(n) or n == ATTENTION_MASK)
+
+
+GENAI_CONFIG = "genai_config.json"
+
+
+def model_file(path: Path) -> Path:
+    """The ONNX file a user's path names: the file itself, or in a folder the decoder its
+    genai_config.json names (onnxruntime-genai's builder output), else its model.onnx."""
+    if not path.is_dir():
+        return path
+    config = path / GENAI_CONFIG
+    if config.is_file():
+        try:
+            name = json.loads(config.read_text())["model"]["decoder"]["filename"]
+        except (ValueError, KeyError, TypeError):
+            raise ModelInputError(f"{config}: no model.decoder.filename in it") from None
+        return path / name
+    if (path / "model.onnx").is_file():
+        return path / "model.onnx"
+    raise ModelInputError(f"{path}: a folder without {GENAI_CONFIG} or model.onnx")
 
 
 def load_header(path: Path) -> onnx.ModelProto:
@@ -117,10 +146,13 @@ def check_contract(path: Path, model: onnx.ModelProto) -> InputContract:
         raise ModelInputError(f"{path}: unexpected inputs {sorted(extra)} (not a decoder-only LM?)")
     key = inputs[past_name(0, "key")]
     heads, head_dim = _static_dim(key, 1), _static_dim(key, 3)
+    if heads and not head_dim and len(key.type.tensor_type.shape.dim) == 4:
+        head_dim = fused_head_dim(g)
     if not heads or not head_dim:
         raise ModelInputError(
             f"{path}: past_key_values.0.key must be 4-D [batch, kv_heads, past, head_dim] "
-            "with static kv_heads and head_dim"
+            "with static kv_heads and head_dim (or a symbolic head_dim that its "
+            "GroupQueryAttention's projection gives)"
         )
     return InputContract(
         path=path, num_layers=n, num_kv_heads=heads, head_dim=head_dim,
@@ -130,9 +162,55 @@ def check_contract(path: Path, model: onnx.ModelProto) -> InputContract:
         vocab_size=_static_last(next(o for o in g.output if o.name == LOGITS)),
         data_files=tuple(sorted({e.value for t in g.initializer for e in t.external_data
                                  if e.key == "location"})),
+        min_cache=_window_caches(g, n),
     )
+
+
+def _window_caches(g: onnx.GraphProto, layers: int) -> tuple[int, ...]:
+    """min_cache: each layer's local_window_size where its GroupQueryAttention keeps a
+    window-sized cache."""
+    rows = [0] * layers
+    for node in g.node:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type != "GroupQueryAttention" or not attrs.get("sliding_window_cache"):
+            continue
+        found = _PAST.match(node.input[3]) if len(node.input) > 3 else None
+        if found and found.group(2) == "key" and int(found.group(1)) < layers:
+            rows[int(found.group(1))] = max(0, int(attrs.get("local_window_size", 0)))
+    return tuple(rows) if any(rows) else ()
 
 
 def _static_last(vi: onnx.ValueInfoProto) -> int | None:
     dims = vi.type.tensor_type.shape.dim
     return dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
+
+
+def fused_head_dim(g: onnx.GraphProto) -> int | None:
+    """head_dim of a graph whose cache dims are symbolic (onnxruntime-genai's `kv_cache_dim`):
+    layer 0's GroupQueryAttention reads its query (packed q|k|v, or q alone) from a
+    projection whose output width the weights give: a MatMul's [K, N] initializer or a
+    MatMulNBits' N, maybe through a bias Add."""
+    node = next((n for n in g.node if n.op_type == "GroupQueryAttention"
+                 and past_name(0, "key") in n.input), None)
+    if node is None:
+        return None
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    packed = len(node.input) < 2 or not node.input[1]
+    heads = attrs.get("num_heads", 0) + (2 * attrs.get("kv_num_heads", 0) if packed else 0)
+    width = _projection_width(g, node.input[0])
+    return width // heads if width and heads and width % heads == 0 else None
+
+
+def _projection_width(g: onnx.GraphProto, name: str) -> int | None:
+    producers = {o: n for n in g.node for o in n.output}
+    dims = {t.name: list(t.dims) for t in g.initializer}
+    node = producers.get(name)
+    if node is not None and node.op_type == "Add":  # a bias after the projection
+        node = next((producers[i] for i in node.input if i in producers), None)
+    if node is None:
+        return None
+    if node.op_type == "MatMulNBits":
+        return next((a.i for a in node.attribute if a.name == "N"), None)
+    if node.op_type == "MatMul" and len(dims.get(node.input[1], [])) == 2:
+        return dims[node.input[1]][1]
+    return None

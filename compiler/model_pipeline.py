@@ -14,6 +14,13 @@ from dspark.compiler.contract import InputContract
 from dspark.compiler.passes.attention import AttentionMatch, find_attentions
 from dspark.compiler.passes.bind import Meaning, bind_removed_inputs, classify, int_candidates
 from dspark.compiler.passes.fold_shapes import fold_shapes, reshaped, shape_derived
+from dspark.compiler.passes.gqa import (
+    gqa_failure,
+    gqa_layers,
+    gqa_nodes,
+    measured_window,
+    replace_gqa,
+)
 from dspark.compiler.passes.optimize import load_full, optimize
 from dspark.compiler.passes.probe import PROBE_SHAPES, Prober
 from dspark.compiler.passes.projections import fuse_projections
@@ -27,11 +34,17 @@ from dspark.compiler.passes.verify_nodes import (
     detach_kv_outputs,
     geometry_from_probe,
     insert_verify_nodes,
-    verify_node_name,
 )
 from dspark.compiler.progress import Progress
 from dspark.compiler.weights import open_store
-from dspark.runtime.bundle.spec import LOGITS, VERIFY_DOMAIN, ModelSpec, Segment, VerifyOp
+from dspark.runtime.bundle.spec import (
+    LOGITS,
+    VERIFY_DOMAIN,
+    VERIFY_OP,
+    ModelSpec,
+    Segment,
+    VerifyOp,
+)
 from dspark.runtime.errors import UnmappableAttentionError
 
 _KV_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
@@ -80,18 +93,34 @@ class Rewritten:
     geometry: list[LayerGeometry]
     windows: list[int]  # each layer's attention window (0: every earlier position)
     vocab_size: int
-    matches: list[AttentionMatch]
     counts: dict[str, int]  # what each pass changed, for the compile report
+
+
+def _attention(graph: gs.Graph, contract: InputContract, role: str, opt_path: Path,
+               max_positions: int) -> tuple[ModelAnalysis, list[LayerGeometry], list[int], int]:
+    """Every attention becomes SpeculativeVerify: the analysis, each layer's geometry and
+    window, and how many nodes. onnxruntime-genai's GroupQueryAttention has its own rewrite
+    (passes/gqa.py); every other form is matched by its cache plumbing (passes/attention.py)."""
+    if gqa_nodes(graph):
+        layers = gqa_layers(graph, contract.head_dim, contract.num_layers, contract.path)
+        analysis = ModelAnalysis(opt_path, contract, graph, [], max_positions)
+        windows = [measured_window(g, max_positions, gqa_failure(contract.path, g))
+                   for g in layers]
+        geometry = [LayerGeometry(g.heads, g.kv_heads, g.head_dim) for g in layers]
+        return analysis, geometry, windows, replace_gqa(graph, layers, windows, role)
+    matches = find_attentions(graph, contract)
+    analysis = ModelAnalysis(opt_path, contract, graph, matches, max_positions)
+    count = insert_verify_nodes(graph, matches, analysis.geometry, analysis.windows, role)
+    return analysis, analysis.geometry, analysis.windows, count
 
 
 def rewrite(graph: gs.Graph, contract: InputContract, role: str, progress: Progress,
             opt_path: Path, max_positions: int, lean: bool = True) -> Rewritten:
-    matches = find_attentions(graph, contract)
-    analysis = ModelAnalysis(opt_path, contract, graph, matches, max_positions)
+    analysis, geometry, windows, nodes = _attention(graph, contract, role, opt_path,
+                                                    max_positions)
     counts = {
-        "verify_nodes": insert_verify_nodes(graph, matches, analysis.geometry, analysis.windows,
-                                            role),
-        "sliding_window_layers": sum(1 for w in analysis.windows if w),
+        "verify_nodes": nodes,
+        "sliding_window_layers": sum(1 for w in windows if w),
         "kv_outputs_detached": detach_kv_outputs(graph),
     }
     graph.cleanup()
@@ -110,7 +139,7 @@ def rewrite(graph: gs.Graph, contract: InputContract, role: str, progress: Progr
     counts["logits_rows_selected"] = select_logits_rows(graph)
     graph.toposort()
     progress.say(f"{role}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
-    return Rewritten(analysis.geometry, analysis.windows, analysis.vocab_size, matches, counts)
+    return Rewritten(geometry, windows, analysis.vocab_size, counts)
 
 
 def _uniform(geometry: list[LayerGeometry], contract: InputContract) -> LayerGeometry:
@@ -128,6 +157,35 @@ def _export(graph: gs.Graph) -> onnx.ModelProto:
     return model
 
 
+# onnxruntime's own ops in the ONNX domain (onnxruntime-genai's builder writes them); the
+# checker does not know them, onnxruntime does
+ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
+
+
+def check_segment(path: Path, model: onnx.ModelProto) -> None:
+    """onnx.checker on a segment, its ops in the ONNX domain that only onnxruntime defines
+    aside (the checker stops at the first op it does not know)."""
+    ours = [n for n in model.graph.node if n.domain in ("", "ai.onnx")
+            and n.op_type in ORT_DEFAULT_DOMAIN_OPS]
+    if not ours:
+        onnx.checker.check_model(str(path))
+        return
+    stripped = onnx.ModelProto()
+    stripped.CopyFrom(model)
+    # each becomes an Identity of its first input, in its place: same names, same order
+    keep = [onnx.helper.make_node("Identity", n.input[:1], n.output[:1], name=n.name)
+            if n.domain in ("", "ai.onnx") and n.op_type in ORT_DEFAULT_DOMAIN_OPS else n
+            for n in stripped.graph.node]
+    del stripped.graph.node[:]
+    stripped.graph.node.extend(keep)
+    check = path.with_suffix(".check.onnx")  # beside it: its weights resolve the same way
+    try:
+        onnx.save(stripped, str(check))
+        onnx.checker.check_model(str(check))
+    finally:
+        check.unlink(missing_ok=True)
+
+
 def write_model(graph: gs.Graph, cuts: list[SegmentCut], role: str, out: Path
                 ) -> tuple[tuple[Segment, ...], str, str]:
     """Segments and the whole graph, all pointing into one weights.bin."""
@@ -141,7 +199,7 @@ def write_model(graph: gs.Graph, cuts: list[SegmentCut], role: str, out: Path
             model = _export(segment_graph(graph, cut))
             store.externalize(model)
             onnx.save(model, str(out / rel))
-            onnx.checker.check_model(str(out / rel))
+            check_segment(out / rel, model)
             segments.append(Segment(cut.index, rel, tuple(t.name for t in cut.inputs),
                                     tuple(t.name for t in cut.outputs)))
         whole = _export(graph)
@@ -168,18 +226,17 @@ def compile_model(contract: InputContract, role: str, work: Path, out: Path,
         graph = gs.import_onnx(load_full(opt_path))
     with progress.stage(f"verify-nodes {role}"):
         done = rewrite(graph, contract, role, progress, opt_path, max_positions, lean)
-        matches = done.matches
         geo = _uniform(done.geometry, contract)
         cuts, after = cut_segments(graph)
         segments, graph_file, weights_file = write_model(graph, cuts, role, out)
-    nodes = {n.name: n for n in graph.nodes}
     ops = []
-    for m in matches:
-        node = nodes[verify_node_name(role, m.layer)]
+    for node in sorted((n for n in graph.nodes if n.op == VERIFY_OP),
+                       key=lambda n: n.attrs["layer"]):
         q, k, v = (t.name for t in node.inputs)
-        ops.append(VerifyOp(node.name, m.layer, q, k, v, node.outputs[0].name, geo.num_heads,
-                            geo.num_kv_heads, geo.head_dim, node.attrs["scale"], after[node.name],
-                            node.attrs.get("layout", "heads"), node.attrs["window"]))
+        ops.append(VerifyOp(node.name, int(node.attrs["layer"]), q, k, v, node.outputs[0].name,
+                            geo.num_heads, geo.num_kv_heads, geo.head_dim, node.attrs["scale"],
+                            after[node.name], node.attrs.get("layout", "heads"),
+                            node.attrs["window"]))
     report = {"ops_before": before, "ops_after": op_counts(graph.nodes), "passes": done.counts}
     return ModelSpec(
         role=role, num_layers=contract.num_layers, num_heads=geo.num_heads,

@@ -14,30 +14,41 @@ from dspark.compiler.contract import (
     NUMPY_TYPES,
     check_contract,
     load_header,
+    model_file,
     past_name,
 )
 from dspark.runtime.bundle.spec import INPUT_IDS, LOGITS, POSITION_IDS
 from dspark.runtime.model.sessions import make_session
 
 
+class Past(list):
+    """The original's cache tensors (its present, fed back) and how many positions they
+    hold: a window-sized cache holds fewer rows than positions."""
+
+    def __init__(self, tensors: list[np.ndarray], positions: int = 0):
+        super().__init__(tensors)
+        self.positions = positions
+
+
 class OriginalModel:
     def __init__(self, path: Path, session=None):
         """`session`: an onnxruntime session of `path` made elsewhere (default: shared pool)."""
+        path = model_file(path)
         self.contract = check_contract(path, load_header(path))
         self.session = session or make_session(path, level="all")
         c = self.contract
         self.present = [f"present.{i}.{k}" for i in range(c.num_layers) for k in ("key", "value")]
 
-    def empty_past(self) -> list[np.ndarray]:
+    def empty_past(self) -> Past:
+        """Nothing cached (a window-sized cache: its rows, none of them holding a position)."""
         c = self.contract
-        shape = (1, c.num_kv_heads, 0, c.head_dim)
-        return [np.zeros(shape, NUMPY_TYPES[c.kv_dtype]) for _ in range(2 * c.num_layers)]
+        return Past([np.zeros((1, c.num_kv_heads, c.cache_rows(i // 2, 0), c.head_dim),
+                              NUMPY_TYPES[c.kv_dtype]) for i in range(2 * c.num_layers)])
 
-    def forward(self, ids: list[int], past: list[np.ndarray]
-                ) -> tuple[np.ndarray, list[np.ndarray]]:
+    def forward(self, ids: list[int], past: Past) -> tuple[np.ndarray, Past]:
         """Logits [len(ids), vocab] and the new past, for one sequence."""
         c = self.contract
-        cached, n = past[0].shape[2], len(ids)
+        cached, n = past.positions, len(ids)
         feeds = {INPUT_IDS: np.array([ids], dtype=NUMPY_TYPES.get(c.input_ids_dtype, np.int64))}
         if c.has_attention_mask:
             feeds[ATTENTION_MASK] = np.ones((1, cached + n), np.int64)
@@ -46,7 +57,7 @@ class OriginalModel:
         for i in range(c.num_layers):
             feeds[past_name(i, "key")], feeds[past_name(i, "value")] = past[2 * i], past[2 * i + 1]
         out = self.session.run([LOGITS, *self.present], feeds)
-        return out[0][0], out[1:]
+        return out[0][0], Past(out[1:], cached + n)
 
     def greedy(self, prompt: list[int], max_new: int) -> list[int]:
         """The model's own greedy loop: prefill, then one token per step."""

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from dspark.compiler.contract import model_file
 from dspark.compiler.reference import OriginalModel
 from dspark.runtime.bundle.bundle import Bundle
 from dspark.runtime.bundle.spec import ModelSpec
@@ -97,6 +98,7 @@ def chunk_plans(spec: ModelSpec, rng: np.random.Generator, seqs: int, steps: int
 def verify_model(bundle: Bundle, role: str, path: Path, seqs: int = 3, steps: int = 4,
                  seed: int = 0) -> VerifyReport:
     rng = np.random.default_rng(seed)
+    path = model_file(path)
     original = OriginalModel(path)
     _check_matches(bundle, role, original, path)
     spec = bundle.model(role)

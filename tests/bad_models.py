@@ -150,3 +150,18 @@ def broken_guard_model(src: Path, path: Path, layer: int = 0) -> Path:
     wheres[layer].inputs[1] = gs.Constant(f"/broken_guard_{layer}", np.array(1.0, np.float32))
     onnx.save(gs.export_onnx(graph), str(path))
     return path
+
+
+def softcapped_gqa_model(folder: Path, dest: Path, layer: int = 1) -> Path:
+    """An onnxruntime-genai model folder whose layer `layer` GroupQueryAttention soft-caps its
+    scores (Gemma 2's softcap attribute), copied to `dest`."""
+    import shutil
+
+    shutil.copytree(folder, dest)
+    model = onnx.load(str(dest / "model.onnx"), load_external_data=False)
+    node = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"][layer]
+    for a in node.attribute:
+        if a.name == "softcap":
+            a.f = 50.0
+    onnx.save(model, str(dest / "model.onnx"))
+    return dest

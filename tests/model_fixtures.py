@@ -106,6 +106,62 @@ def build_fixtures(root: Path) -> dict[tuple[str, str], tuple[Path, Path]]:
     return pairs
 
 
+# onnxruntime-genai's builder output (python -m onnxruntime_genai.models.builder): name ->
+# (architecture, precision). llama: tied embeddings (int4: a GatherBlockQuantized embedding
+# and MatMulNBits without zero points); qwen2: layers 1-2 slide over 8 positions, kept in
+# window-sized caches (the builder's default for sliding layers)
+GENAI = {"llama-fp32": ("llama", "fp32"), "llama-int4": ("llama", "int4"),
+         "qwen2-fp32": ("qwen2", "fp32")}
+
+
+def _genai_model(arch: str):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1234)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                  initializer_range=0.25)
+    if arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True)).eval()
+    return Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True,
+                                        sliding_window=SLIDING_WINDOW, max_window_layers=1,
+                                        tie_word_embeddings=False)).eval()
+
+
+def _genai_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer of the 320 ids with the special tokens the builder expects
+    (Qwen's pad token among them, so it adds none past the vocabulary)."""
+    from transformers import PreTrainedTokenizerFast
+
+    words = _main_words()
+    words[VOCAB - 1] = "<|endoftext|>"
+    tok = PreTrainedTokenizerFast(tokenizer_object=_tokenizer(
+        {w: i for i, w in enumerate(words)}, False), unk_token="w0", eos_token="<|endoftext|>")
+    tok.save_pretrained(str(folder))
+
+
+def build_genai_fixtures(root: Path) -> dict[str, Path]:
+    """{name: model folder} of GENAI, built once per recipe into root."""
+    import subprocess
+    import sys
+
+    folder = root / f"fixtures-{recipe_hash()}" / "genai"
+    out = {name: folder / name for name in GENAI}
+    for name, (arch, precision) in GENAI.items():
+        if (out[name] / "genai_config.json").exists():
+            continue
+        hf = folder / f"{arch}-hf"
+        if not (hf / "config.json").exists():
+            _genai_model(arch).save_pretrained(str(hf))
+            _genai_tokenizer(hf)
+        tmp = out[name].with_suffix(".tmp")
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf),
+                        "-o", str(tmp), "-p", precision, "-e", "cpu"], check=True,
+                       capture_output=True)
+        tmp.rename(out[name])
+    return out
+
+
 EMOJI = "🛒"
 SHIFT = 11  # draft id = (main id + SHIFT) % VOCAB
 

@@ -80,7 +80,7 @@ def _cast(graph: gs.Graph, t: gs.Variable, dtype: np.dtype, name: str) -> gs.Var
     return out
 
 
-def _position_input(graph: gs.Graph) -> gs.Variable:
+def position_input(graph: gs.Graph) -> gs.Variable:
     for t in graph.inputs:
         if t.name == POSITION_IDS:
             return t
@@ -95,7 +95,7 @@ def _materialize(graph: gs.Graph, meaning: Meaning, old: gs.Variable, role: str)
     dtype = np.dtype(old.dtype)
     if meaning.kind == "constant":
         return gs.Constant(name, np.asarray(meaning.value, dtype=dtype))
-    src = _position_input(graph)
+    src = position_input(graph)
     if meaning.rank == 1:
         flat = gs.Variable(f"{name}/flat", dtype=src.dtype)
         graph.nodes.append(gs.Node("Reshape", f"{name}/Reshape",

@@ -43,8 +43,9 @@ def feeds(contract: InputContract, shape: ProbeShape, ids: np.ndarray) -> dict[s
     if contract.has_position_ids:
         pos = shape.past + np.arange(shape.new, dtype=np.int64)
         out[POSITION_IDS] = np.broadcast_to(pos, (shape.batch, shape.new)).copy()
-    dims = (shape.batch, contract.num_kv_heads, shape.past, contract.head_dim)
     for i in range(contract.num_layers):
+        dims = (shape.batch, contract.num_kv_heads, contract.cache_rows(i, shape.past),
+                contract.head_dim)
         for kind in ("key", "value"):
             out[past_name(i, kind)] = rng.standard_normal(dims).astype(kv)
     return out

@@ -168,7 +168,7 @@ def rotary_tables(maker: TableMaker, half: int, max_positions: int
     return tuple(np.ascontiguousarray(t[:, :half], dtype=np.float32) for t in full)
 
 
-def _positions(graph: gs.Graph, role: str) -> gs.Variable:
+def position_rows(graph: gs.Graph, role: str) -> gs.Variable:
     """position_ids as int64 [T, 1]: one token per batch row (see _emit)."""
     pos = next(t for t in graph.inputs if t.name == POSITION_IDS)
     name = f"/{role}/rotary/positions"
@@ -244,7 +244,7 @@ def fuse_rotary(graph: gs.Graph, role: str, max_positions: int) -> tuple[int, li
         if _heads_first(m.x) is None:
             unfused.append(f"{m.add.name} (its input is not [1, T, heads, dim] transposed)")
             continue
-        positions = positions or _positions(graph, role)
+        positions = positions or position_rows(graph, role)
         verify = m.add.outputs[0].outputs[0]
         q = _slot(verify, m.add.outputs[0]) == 0
         heads = int(verify.attrs["num_heads" if q else "num_kv_heads"])

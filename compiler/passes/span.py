@@ -44,11 +44,41 @@ def span_tensors(matches: list[AttentionMatch]) -> list[str]:
 
 
 @dataclass
-class _Rows:
-    """What a layer's rows showed: windows seen, and the longest run that was not cut."""
+class SpanRows:
+    """What a layer's query rows showed: the windows seen, the longest run not cut."""
 
     windows: set
     longest_full: int = 0
+
+    def record(self, visible: np.ndarray, shape: ProbeShape, fail) -> None:
+        """Check every query row (of `visible` [heads, new, past+new]) is one run of keys
+        ending at its own position; note its length."""
+        if not (visible == visible[:1]).all():
+            raise fail("its heads see different keys")
+        for j, row in enumerate(visible[0]):
+            p = shape.past + j
+            keys = np.flatnonzero(row)
+            if not len(keys) or keys[-1] != p or keys[-1] - keys[0] + 1 != len(keys):
+                seen = f"{keys[0]}..{keys[-1]} ({len(keys)} keys)" if len(keys) else "no keys"
+                raise fail(f"the query at position {p} sees {seen}, not a run of keys ending "
+                           "at its own position (not causal, or not a sliding window)")
+            if keys[0] == 0:
+                self.longest_full = max(self.longest_full, len(keys))
+            else:
+                self.windows.add(len(keys))
+
+    def window(self, fail) -> int:
+        """The window all rows agree on (0: none cut any row)."""
+        if not self.windows:
+            return 0
+        if len(self.windows) > 1:
+            raise fail(f"its queries see the last {sorted(self.windows)} keys: not a sliding "
+                       "window (chunked or dilated attention?)")
+        window = next(iter(self.windows))
+        if self.longest_full > window:
+            raise fail(f"a window of {window} keys at some positions, {self.longest_full} "
+                       "earlier keys at others: not a sliding window")
+        return window
 
 
 def _fail(path: Path, layer: int, node: str, why: str) -> UnmappableAttentionError:
@@ -95,42 +125,12 @@ def _visible_attention(span: SpanSource, sample: dict, shape: ProbeShape, fail) 
     return visible
 
 
-def _record(rows: _Rows, visible: np.ndarray, shape: ProbeShape, fail) -> None:
-    """Check every query row is one run of keys ending at its own position; note its length."""
-    if not (visible == visible[:1]).all():
-        raise fail("its heads see different keys")
-    for j, row in enumerate(visible[0]):
-        p = shape.past + j
-        keys = np.flatnonzero(row)
-        if not len(keys) or keys[-1] != p or keys[-1] - keys[0] + 1 != len(keys):
-            seen = f"{keys[0]}..{keys[-1]} ({len(keys)} keys)" if len(keys) else "no keys"
-            raise fail(f"the query at position {p} sees {seen}, not a run of keys ending at "
-                       f"its own position (not causal, or not a sliding window)")
-        if keys[0] == 0:
-            rows.longest_full = max(rows.longest_full, len(keys))
-        else:
-            rows.windows.add(len(keys))
-
-
-def _window(rows: _Rows, fail) -> int:
-    if not rows.windows:
-        return 0
-    if len(rows.windows) > 1:
-        raise fail(f"its queries see the last {sorted(rows.windows)} keys: not a sliding "
-                   "window (chunked or dilated attention?)")
-    window = next(iter(rows.windows))
-    if rows.longest_full > window:
-        raise fail(f"a window of {window} keys at some positions, {rows.longest_full} earlier "
-                   "keys at others: not a sliding window")
-    return window
-
-
 class SpanProbe:
     """Runs the probe shapes and keeps what each layer's rows showed."""
 
     def __init__(self, prober: Prober, matches: list[AttentionMatch], path: Path):
         self.prober, self.matches, self.path = prober, matches, path
-        self.rows = [_Rows(set()) for _ in matches]
+        self.rows = [SpanRows(set()) for _ in matches]
         self.names = span_tensors(matches)
 
     def fail(self, m: AttentionMatch):
@@ -145,10 +145,10 @@ class SpanProbe:
                 raise fail("the compiler found no mask for it")
             visible = (_visible_eager if m.span.scores else _visible_attention)(
                 m.span, sample, shape, fail)
-            _record(rows, visible, shape, fail)
+            rows.record(visible, shape, fail)
 
     def windows(self) -> list[int]:
-        return [_window(rows, self.fail(m)) for m, rows in zip(self.matches, self.rows)]
+        return [rows.window(self.fail(m)) for m, rows in zip(self.matches, self.rows)]
 
 
 def _runs(prober: Prober, length: int) -> str | None:

@@ -9,7 +9,7 @@ from dspark.runtime.errors import DSparkError
 
 TOKENIZER_JSON = "tokenizer.json"
 OPTIONAL_FILES = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                  "generation_config.json")
+                  "generation_config.json", "genai_config.json")  # the last: EOS ids
 
 
 def find_tokenizer(arg: Path | None, main_path: Path) -> Path | None:

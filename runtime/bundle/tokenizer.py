@@ -43,11 +43,18 @@ class BundleTokenizer:
 
     @staticmethod
     def _generation_eos(folder: Path) -> set[int]:
-        path = folder / "generation_config.json"
-        if not path.exists():
-            return set()
-        eos = json.loads(path.read_text()).get("eos_token_id")
-        return set(eos) if isinstance(eos, list) else ({eos} if isinstance(eos, int) else set())
+        """eos_token_id of generation_config.json (Hugging Face) and of genai_config.json's
+        model (onnxruntime-genai's builder), an id or a list."""
+        found: set[int] = set()
+        for name, path in (("generation_config.json", ()), ("genai_config.json", ("model",))):
+            if not (folder / name).exists():
+                continue
+            config = json.loads((folder / name).read_text())
+            for key in path:
+                config = config.get(key, {}) if isinstance(config, dict) else {}
+            eos = config.get("eos_token_id") if isinstance(config, dict) else None
+            found |= set(eos) if isinstance(eos, list) else {eos} if isinstance(eos, int) else set()
+        return found
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=special).ids
