@@ -1,0 +1,90 @@
+"""Low-bit mains in every format the ecosystem writes, as `dsc compile`'s MAIN: onnxruntime's
+MatMulNBits symmetric (no zero points) and with uint8 zero points, at 4 and 8 bits, and
+`dsc quantize`'s float zero points (onnxruntime-genai's int4 builds, with their
+GatherBlockQuantized embedding, are in test_genai_models.py). Each verifies against itself
+as exported, and generates its own greedy tokens with and without speculation."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from lossless import first_fork
+
+from dspark.compiler.compile import CompileOptions
+from dspark.compiler.reference import OriginalModel
+from dspark.compiler.verify import verify_model
+from dspark.runtime.bundle.bundle import open_bundle
+from dspark.runtime.engine.engine import Engine
+from dspark.runtime.sequence.request import GenerationRequest
+
+from bundle_cache import compiled
+
+# name -> (bits, symmetric); "min4": dsc quantize's float zero points
+FORMATS = {"sym4": (4, True), "zp4": (4, False), "sym8": (8, True), "zp8": (8, False),
+           "min4": (4, None)}
+
+
+def quantized_main(src, out, bits: int, symmetric: bool | None):
+    if symmetric is None:
+        from dspark.compiler.quantize import quantize_file
+
+        quantize_file(src, out)
+        return out
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    quant = MatMulNBitsQuantizer(onnx.load(str(src)), bits=bits, block_size=32,
+                                 is_symmetric=symmetric, accuracy_level=4)
+    quant.process()
+    onnx.save(quant.model.model, str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def low_bit(fixture_pairs, tmp_path_factory):
+    """{format: (bundle, main.onnx)}: the llama fixture's main in that format, its fp32
+    draft beside it."""
+    main, draft = fixture_pairs[("llama", "classic")]
+    root = tmp_path_factory.mktemp("lowbit")
+    out = {}
+    for name, (bits, symmetric) in FORMATS.items():
+        path = quantized_main(main, root / f"{name}.onnx", bits, symmetric)
+        out[name] = (compiled(CompileOptions(path, draft, root / f"{name}.dsmodel",
+                                             max_seq_len=256, kv_budget_mb=8)), path)
+    return out
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_low_bit_main_has_its_format_and_verifies(low_bit, name):
+    bundle_path, path = low_bit[name]
+    bits, symmetric = FORMATS[name]
+    nodes = [n for n in onnx.load(str(path), load_external_data=False).graph.node
+             if n.op_type == "MatMulNBits"]
+    projections = nodes[:-1]  # the last is the head (dsc quantize's: 8 bits, symmetric)
+    assert nodes and all(next(a.i for a in n.attribute if a.name == "bits") == bits
+                         for n in projections)
+    zero_points = {len(n.input) > 3 and bool(n.input[3]) for n in projections}
+    assert zero_points == {symmetric is not True}
+    report = verify_model(open_bundle(bundle_path), "main", path, seqs=3, steps=3)
+    assert report.ok(1e-3) and report.longest == 256, report
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_low_bit_main_generates_its_own_greedy_tokens(low_bit, name):
+    bundle_path, path = low_bit[name]
+    bundle, original = open_bundle(bundle_path), OriginalModel(path)
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in (1, 4, 9, 23)]
+    refs = [original.greedy(p, 40) for p in prompts]
+    plain = None
+    for speculative, window, method in ((False, 1, "draft"), (True, 4, "draft"),
+                                        (True, 8, "hybrid")):
+        engine = Engine(bundle, "fixed", window, max_batch=4)
+        seqs = engine.generate([GenerationRequest(tuple(p), 40, speculative=speculative,
+                                                  method=method) for p in prompts])
+        got = [s.generated for s in seqs]
+        forks = [f for p, g, r, s in zip(prompts, got, refs, seqs)
+                 if (f := first_fork(g, r, p, original, set(), s.finish_reason))]
+        assert len(forks) <= 1, (speculative, window, forks)
+        plain = plain or got
+        assert got == plain, (speculative, window)  # speculation never changes the output
