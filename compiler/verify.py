@@ -131,19 +131,42 @@ def verify_model(bundle: Bundle, role: str, path: Path, seqs: int = 3, steps: in
 
 
 def _rounding_noise(path: Path, original: OriginalModel, histories: list[list[int]]) -> float:
-    """How far the original's int8-input MatMulNBits (accuracy level 4) move its logits from
-    float inputs (accuracy level 0), on the verified tokens; 0 without such ops."""
+    """How far accuracy level 4 (a MatMulNBits' leave to quantize its inputs to int8) moves
+    the original's logits, on the verified tokens: the original against itself with float
+    inputs (accuracy level 0), and against itself with its projections as the runtime runs
+    them (MatMulInt4, int8 inputs, where this CPU has a vector path; onnxruntime keeps float
+    zero points in float32). 0 without such ops."""
     model = onnx.load(str(path))
     rounding = [a for n in model.graph.node if n.op_type == "MatMulNBits"
                 for a in n.attribute if a.name == "accuracy_level" and a.i == 4]
     if not rounding:
         return 0.0
+    variants = [OriginalModel(path, session) for session in _int8_sessions(path, model)]
     for attr in rounding:
         attr.i = 0
-    floated = OriginalModel(path, make_session(model.SerializeToString(), level="all"))
-    return max(float(np.abs(floated.forward(h, floated.empty_past())[0].astype(np.float64)
-                            - original.forward(h, original.empty_past())[0]).max())
-               for h in histories)
+    variants.append(OriginalModel(path, make_session(model.SerializeToString(), level="all")))
+    reference = [original.forward(h, original.empty_past())[0] for h in histories]
+    return max(float(np.abs(v.forward(h, v.empty_past())[0].astype(np.float64) - ref).max())
+               for v in variants for h, ref in zip(histories, reference))
+
+
+def _int8_sessions(path: Path, model: onnx.ModelProto) -> list:
+    """The original with its projections as MatMulInt4 on this CPU's best vector path (the
+    runtime's arithmetic), when it has one."""
+    from dspark.kernels.cpu_op import ISA_PATHS, int4_paths, op_library
+    from dspark.runtime.env import kernel_cache_dir, read_env
+    from dspark.runtime.model.int4_rows import int4_path, rewrite_int4
+
+    env = read_env()
+    library = op_library(kernel_cache_dir(), env.cc).path
+    isa = int4_path(int4_paths(library), env.cpu_int4, env.cpu_isa) if library else None
+    if isa is None:
+        return []
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    if not rewrite_int4(copy, path.parent, env.threads, ISA_PATHS.index(isa)):
+        return []
+    return [make_session(copy.SerializeToString(), custom_ops=library)]
 
 
 def _chunking_noise(original: OriginalModel, tokens: list[int], steps: list[np.ndarray]

@@ -1,8 +1,8 @@
 /* MatMulInt4 as an onnxruntime custom op (domain ai.dspark), CPU: y = x W^T for 4-bit (or
    8-bit) weights in blocks of 32.
 
-   What a draft model's MatMulNBits (4 or 8 bits, blocks of 32, accuracy level 4) computes, in
-   a layout made for few input rows. A draft decode step reads ~80 MB of int4 weights right
+   What a MatMulNBits (4 or 8 bits, blocks of 32, accuracy level 4) computes, in a layout made
+   for few input rows. A draft decode step reads ~80 MB of int4 weights right
    after the main's step evicted them; onnxruntime's kernel spent ~5 ms of SmolLM2's 6.3 ms draft
    forward there. A first version of this op (one streamed run of weight rows per thread, a dot
    product and a horizontal sum per row) took the forward to 4.7 ms, but spent 2.5 ms computing
@@ -32,55 +32,29 @@
    of 32 (scale max|x| / 127), a block's dot product is exact in int32 (a zero point enters as
    -zero times the block's input sum, a min as min times that sum, scaled), and blocks are
    summed in float32, in order, one fused multiply-add each (two with mins). Not MatMulNBits'
-   order, so results agree to rounding, not bits: a draft's proposals only (the main verifies
-   every token), never a main's arithmetic.
+   order, so results agree to rounding, not bits (`dsc verify` bounds that by the original's
+   own int8 noise); but each row of x is computed alone and the same way whatever rows come
+   with it, so a main's verify window scores each position exactly as decoding it would.
 
-   With AVX-512 VNNI (dspark_int4_fast() = 1) a block is 4 or 8 loads (and 8 nibble masks)
-   and, per row of x (up to 4 per pass over the weights), 8 vpdpbusd on broadcast inputs;
-   elsewhere plain loops compute the same blocks, in the same order (the runtime only rewrites
-   graphs where the fast path is built). */
+   Paths: the plain loops here, and x86 vector paths (cpu_int4_x86.c: AVX2, AVX-VNNI,
+   AVX-512, AVX-512 VNNI), each built for its own instruction set and chosen at run time by
+   what the CPU reports (the best, or the one the attribute `isa` names: 0 generic, 1 avx2,
+   2 avx_vnni, 3 avx512, 4 avx512_vnni; one the CPU lacks is refused). All compute the same
+   blocks in the same order and give the same bits. */
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_int4.h"
 #include "ort_abi.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
-#include <immintrin.h>
-#define INT4_FAST 1
-#else
-#define INT4_FAST 0
-#endif
-
-enum { BLOCK = 32, LANES = 16, GROUP = 4, PREFETCH = 8192 };
-
-int dspark_int4_fast(void) { return INT4_FAST; }
-
-/* A record's bytes: its weight vectors (4 at 4 bits, 8 at 8), 16 float16 scales, and with
-   mins 16 float16 mins. */
-static int64_t record_bytes(int64_t bits, int64_t mins) { return 64 * bits + 32 + 32 * mins; }
-
 typedef struct {
-  int64_t k, n, threads, bits, mins;
+  int64_t k, n, threads, bits, mins, isa;
 } Int4Kernel;
-
-/* One call: x quantized (x8 [rows, K] int8, sx [rows, K/32] its scales, zx [rows, K/32] each
-   block's sum of int8 inputs). */
-typedef struct {
-  const uint8_t *w;
-  float *y;
-  const int8_t *x8;
-  const float *sx;
-  const int32_t *zx;
-  int64_t k, n, rows, groups, items, bits, mins;
-} Int4Call;
 
 static int64_t record_of(const Int4Call *c) { return record_bytes(c->bits, c->mins); }
 static int64_t group_bytes(const Int4Call *c) { return c->k / BLOCK * record_of(c); }
-/* The weights' zero point: a block's dot product starts at -zero * (its input sum); with mins
-   the stored values are the weights' offsets from the block's min, which enters by itself. */
-static inline int32_t zero_point(int64_t bits, int64_t mins) { return mins ? 0 : bits == 4 ? 8 : 128; }
 
 /* IEEE half to float, exactly (what F16C's vcvtph2ps gives). */
 static inline float half_float(uint16_t h) {
@@ -150,103 +124,49 @@ static void group_plain(const Int4Call *c, int64_t g) {
   }
 }
 
-#if INT4_FAST
-static inline __m512i broadcast4(const int8_t *p) {
-  int32_t v;
-  memcpy(&v, p, sizeof(v));
-  return _mm512_set1_epi32(v);
+/* Which paths this CPU runs: bit i set for path i (the plain loops always). */
+int dspark_int4_paths(void) {
+  int paths = 1 << ISA_GENERIC;
+  for (int isa = ISA_GENERIC + 1; isa < ISA_COUNT; isa++)
+    if (int4_x86_supported(isa)) paths |= 1 << isa;
+  return paths;
 }
 
-/* Rows r0 .. r0+R-1 of x against group g: each block's weights loaded (and at 4 bits
-   unpacked) once for all R. BITS and MINS are constants in every call. */
-static inline __attribute__((always_inline)) void group_fast(const Int4Call *c, int64_t g,
-                                                             int64_t r0, int R, const int BITS,
-                                                             const int MINS) {
-  const int64_t k = c->k, blocks = k / BLOCK, record = record_bytes(BITS, MINS);
-  const int32_t zero = zero_point(BITS, MINS);
-  const uint8_t *w = c->w + g * group_bytes(c);
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 acc[GROUP];
-  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; b++) {
-    const uint8_t *rec = w + b * record;
-    for (int o = 0; o < record; o += 64) _mm_prefetch((const char *)rec + PREFETCH + o, _MM_HINT_T0);
-    /* vector v holds inputs 4v .. 4v+3 of the block for the 16 rows */
-    __m512i q[8];
-    if (BITS == 4) {
-      for (int v = 0; v < 4; v++) {
-        const __m512i packed = _mm512_loadu_si512(rec + 64 * v);
-        q[2 * v] = _mm512_and_si512(packed, low);
-        q[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-      }
-    } else {
-      for (int v = 0; v < 8; v++) q[v] = _mm512_loadu_si512(rec + 64 * v);
-    }
-    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 64 * BITS)));
-    __m512 ms = _mm512_setzero_ps();
-    if (MINS) ms = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 64 * BITS + 32)));
-    for (int r = 0; r < R; r++) {
-      const int64_t row = r0 + r;
-      const int8_t *xb = c->x8 + row * k + b * BLOCK;
-      const int32_t sum = c->zx[row * blocks + b];
-      /* two chains of four: vpdpbusd's latency, not its rate, would bound one of eight */
-      __m512i d0 = _mm512_set1_epi32(-zero * sum), d1 = _mm512_setzero_si512();
-      for (int v = 0; v < 8; v += 2) {
-        d0 = _mm512_dpbusd_epi32(d0, q[v], broadcast4(xb + 4 * v));
-        d1 = _mm512_dpbusd_epi32(d1, q[v + 1], broadcast4(xb + 4 * v + 4));
-      }
-      const float sx = c->sx[row * blocks + b];
-      const __m512 scale = _mm512_mul_ps(ws, _mm512_set1_ps(sx));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), scale, acc[r]);
-      if (MINS) acc[r] = _mm512_fmadd_ps(ms, _mm512_set1_ps(sx * (float)sum), acc[r]);
-    }
-  }
-  const int64_t outs = c->n - g * LANES < LANES ? c->n - g * LANES : LANES;
-  const __mmask16 mask = (__mmask16)(outs >= LANES ? 0xFFFF : (1u << outs) - 1);
-  for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(c->y + (r0 + r) * c->n + g * LANES, mask, acc[r]);
+static int best_path(void) {
+  const int paths = dspark_int4_paths();
+  int best = ISA_GENERIC;
+  for (int isa = 0; isa < ISA_COUNT; isa++)
+    if (paths & (1 << isa)) best = isa;
+  return best;
 }
 
-static inline __attribute__((always_inline)) void groups_of(const Int4Call *c, int64_t g0,
-                                                            int64_t g1, const int BITS,
-                                                            const int MINS) {
-  for (int64_t g = g0; g < g1; g++)
-    for (int64_t r0 = 0; r0 < c->rows; r0 += GROUP) {
-      switch (c->rows - r0 < GROUP ? c->rows - r0 : GROUP) {
-        case 1: group_fast(c, g, r0, 1, BITS, MINS); break;
-        case 2: group_fast(c, g, r0, 2, BITS, MINS); break;
-        case 3: group_fast(c, g, r0, 3, BITS, MINS); break;
-        default: group_fast(c, g, r0, 4, BITS, MINS); break;
-      }
-    }
+/* Groups g0 .. g1-1 on path `isa` (one this CPU runs). */
+static void run_groups(int isa, const Int4Call *c, int64_t g0, int64_t g1) {
+  if (isa != ISA_GENERIC && int4_groups_x86(isa, c, g0, g1)) return;
+  for (int64_t g = g0; g < g1; g++) group_plain(c, g);
 }
 
-static void groups_fast(const Int4Call *c, int64_t g0, int64_t g1) {
-  const uint8_t *start = c->w + g0 * group_bytes(c);
-  for (int64_t o = 0; o < PREFETCH; o += 64) _mm_prefetch((const char *)(start + o), _MM_HINT_T0);
-  if (c->bits == 4 && !c->mins) groups_of(c, g0, g1, 4, 0);
-  else if (c->bits == 4) groups_of(c, g0, g1, 4, 1);
-  else if (!c->mins) groups_of(c, g0, g1, 8, 0);
-  else groups_of(c, g0, g1, 8, 1);
-}
-#endif
+typedef struct {
+  Int4Call call;
+  int isa;
+} Int4Work;
 
 static void int4_item(void *data, size_t item) {
-  const Int4Call *c = (const Int4Call *)data;
+  const Int4Work *work = (const Int4Work *)data;
+  const Int4Call *c = &work->call;
   const int64_t per = (c->groups + c->items - 1) / c->items;
   const int64_t g0 = (int64_t)item * per;
   const int64_t g1 = g0 + per < c->groups ? g0 + per : c->groups;
-#if INT4_FAST
-  groups_fast(c, g0, g1);
-#else
-  for (int64_t g = g0; g < g1; g++) group_plain(c, g);
-#endif
+  run_groups(work->isa, c, g0, g1);
 }
 
-/* The plain loops, for the tests: y [rows, n] from x [rows, k] and packed w. */
-int dspark_int4_reference(const float *x, const uint8_t *w, float *y, int64_t rows, int64_t k,
-                          int64_t n, int64_t bits, int64_t mins) {
+/* One path alone, for the tests: y [rows, n] from x [rows, k] and packed w; 0 if the
+   arguments are wrong or this CPU lacks the path. */
+int dspark_int4_run(int64_t isa, const float *x, const uint8_t *w, float *y, int64_t rows,
+                    int64_t k, int64_t n, int64_t bits, int64_t mins) {
   if (k % BLOCK != 0 || k < BLOCK || rows < 0 || n < 0 || (bits != 4 && bits != 8) ||
-      (mins != 0 && mins != 1))
+      (mins != 0 && mins != 1) || isa < 0 || isa >= ISA_COUNT ||
+      !(dspark_int4_paths() & (1 << isa)))
     return 0;
   int8_t *x8 = (int8_t *)malloc((size_t)(rows * k) + 1);
   float *sx = (float *)malloc((size_t)(rows * k / BLOCK) * sizeof(float) + 4);
@@ -258,7 +178,7 @@ int dspark_int4_reference(const float *x, const uint8_t *w, float *y, int64_t ro
   for (int64_t r = 0; r < rows; r++)
     quantize(x + r * k, k, x8 + r * k, sx + r * k / BLOCK, zx + r * k / BLOCK);
   const Int4Call c = {w, y, x8, sx, zx, k, n, rows, (n + LANES - 1) / LANES, 1, bits, mins};
-  for (int64_t g = 0; g < c.groups; g++) group_plain(&c, g);
+  run_groups((int)isa, &c, 0, c.groups);
   free(x8), free(sx), free(zx);
   return 1;
 }
@@ -281,9 +201,15 @@ static OrtStatus *int4_create(const OrtCustomOp *op, const void *api, const OrtK
     k->threads = 1;
   if (!ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_INT64, IntAttr)(info, "bits", &k->bits))) k->bits = 4;
   if (!ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_INT64, IntAttr)(info, "mins", &k->mins))) k->mins = 0;
+  if (!ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_INT64, IntAttr)(info, "isa", &k->isa))) k->isa = -1;
   if ((k->bits != 4 && k->bits != 8) || (k->mins != 0 && k->mins != 1)) {
     free(k);
     return error("MatMulInt4: bits must be 4 or 8 and mins 0 or 1");
+  }
+  if (k->isa < 0) k->isa = best_path();
+  if (k->isa >= ISA_COUNT || !(dspark_int4_paths() & (1 << k->isa))) {
+    free(k);
+    return error("MatMulInt4: isa names a path this CPU does not run");
   }
   *kernel = k;
   return NULL;
@@ -322,13 +248,14 @@ static OrtStatus *int4_compute(void *kernel, OrtKernelContext *ctx) {
   int32_t *zx = (int32_t *)(buffer + x8_bytes + sx_bytes);
   for (int64_t r = 0; r < rows; r++)
     quantize(x + r * k, k, x8 + r * k, sx + r * k / BLOCK, zx + r * k / BLOCK);
-  Int4Call c = {w, (float *)out, x8, sx, zx, k, n, rows, groups, 1, kk->bits, kk->mins};
   /* one contiguous run of groups per thread: each streams its own */
   const int64_t items = kk->threads < groups ? kk->threads : groups;
-  c.items = items;
+  Int4Work work = {{w, (float *)out, x8, sx, zx, k, n, rows, groups, items, kk->bits, kk->mins},
+                   (int)kk->isa};
   if (items < 2 ||
-      !ok(ORT(KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(ctx, int4_item, (size_t)items, (size_t)items, &c)))
-    for (int64_t i = 0; i < items; i++) int4_item(&c, (size_t)i);
+      !ok(ORT(KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(ctx, int4_item, (size_t)items,
+                                                          (size_t)items, &work)))
+    for (int64_t i = 0; i < items; i++) int4_item(&work, (size_t)i);
   free(buffer);
   return NULL;
 }

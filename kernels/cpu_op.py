@@ -26,9 +26,16 @@ from pathlib import Path
 log = logging.getLogger("dspark.kernels")
 
 HERE = Path(__file__).resolve().parent
-# the library: SpeculativeVerify (cpu_op.c, which registers both ops) and MatMulInt4
-SOURCES = (HERE / "cpu_op.c", HERE / "cpu_int4.c")
-HEADERS = (HERE / "ort_abi.h",)
+# the library: SpeculativeVerify (cpu_op.c, which registers both ops) and MatMulInt4 (its
+# plain loops and op, and its x86 vector paths)
+SOURCES = (HERE / "cpu_op.c", HERE / "cpu_int4.c", HERE / "cpu_int4_x86.c")
+HEADERS = (HERE / "ort_abi.h", HERE / "cpu_int4.h", HERE / "cpu_int4_body.h")
+# MatMulInt4 picks its path at run time, each compiled for its own instruction set: on
+# x86-64 its files take a baseline every such CPU has instead of -march=native, so its
+# AVX2 path is AVX2 code on this CPU too (its tests run every path the CPU has)
+ISA_PATHS = ("generic", "avx2", "avx_vnni", "avx512", "avx512_vnni")  # cpu_int4.h, in order
+PORTABLE = {"cpu_int4.c", "cpu_int4_x86.c"}
+BASELINE = ("-march=x86-64-v2", "-mtune=native")
 # Two builds, the first that links wins:
 #   compiled with -ffast-math, linked without it, with glibc's vector math library: the dot
 #   products vectorise and so does expf (libmvec); a verify window's attention measured
@@ -99,7 +106,7 @@ def _build(cc: str, compile_flags: tuple[str, ...], link_flags: tuple[str, ...],
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         objs = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
         lib = Path(tmp) / target.name
-        steps = [[cc, *compile_flags, "-o", str(obj), str(source)]
+        steps = [[cc, *_flags(compile_flags, source), "-o", str(obj), str(source)]
                  for obj, source in zip(objs, SOURCES)]
         for cmd in [*steps, [cc, *link_flags, "-o", str(lib), *map(str, objs), *libs]]:
             try:
@@ -112,13 +119,20 @@ def _build(cc: str, compile_flags: tuple[str, ...], link_flags: tuple[str, ...],
     return None
 
 
+def _flags(compile_flags: tuple[str, ...], source: Path) -> list[str]:
+    if source.name not in PORTABLE or platform.machine() not in ("x86_64", "AMD64"):
+        return list(compile_flags)
+    return [f for f in compile_flags if f != "-march=native"] + list(BASELINE)
+
+
 @functools.cache
-def int4_fast(library: Path) -> bool:
-    """Whether the library's MatMulInt4 has its vector path (AVX-512 VNNI; cpu_int4.c):
-    without it the op is plain loops, slower than onnxruntime's MatMulNBits."""
+def int4_paths(library: Path) -> tuple[str, ...]:
+    """The MatMulInt4 paths this CPU runs, best last ("generic": the plain loops, slower
+    than onnxruntime's MatMulNBits; the others are vector paths, cpu_int4_x86.c)."""
     import ctypes
 
     try:
-        return bool(ctypes.CDLL(str(library)).dspark_int4_fast())
+        mask = int(ctypes.CDLL(str(library)).dspark_int4_paths())
     except (OSError, AttributeError):
-        return False
+        return ()
+    return tuple(name for i, name in enumerate(ISA_PATHS) if mask & (1 << i))

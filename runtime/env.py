@@ -20,8 +20,11 @@ class RuntimeEnv:
     debug: bool  # show tracebacks of internal errors
     api_key: str | None  # DSPARK_API_KEY: the server's bearer token when --api-key is not given
     cpu_op: bool  # DSPARK_CPU_OP=0: run CPU models as segments, not one session with our op
-    cpu_int4: bool  # DSPARK_CPU_INT4=0: keep a draft's MatMulNBits (no MatMulInt4)
+    cpu_int4: bool  # DSPARK_CPU_INT4=0: keep the models' MatMulNBits (no MatMulInt4)
     cc: str  # CC: the C compiler that builds the CPU op
+    # DSPARK_CPU_ISA: MatMulInt4's path (generic, avx2, avx_vnni, avx512, avx512_vnni);
+    # None: the best the CPU runs
+    cpu_isa: str | None = None
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -45,7 +48,8 @@ def read_env() -> RuntimeEnv:
                       api_key=os.environ.get("DSPARK_API_KEY") or None,
                       cpu_op=os.environ.get("DSPARK_CPU_OP", "1") != "0",
                       cpu_int4=os.environ.get("DSPARK_CPU_INT4", "1") != "0",
-                      cc=os.environ.get("CC") or "cc")
+                      cc=os.environ.get("CC") or "cc",
+                      cpu_isa=os.environ.get("DSPARK_CPU_ISA") or None)
 
 
 def kernel_cache_dir() -> str:

@@ -1,9 +1,10 @@
-"""MatMulInt4 (kernels/cpu_int4.c) and the draft rewrite that uses it (runtime/model/int4_rows.py).
+"""MatMulInt4 (kernels/cpu_int4.c) and the rewrite that uses it (runtime/model/int4_rows.py).
 
-The op in a one-node graph against its own plain loops and against numpy's arithmetic of the
-same blocks (int8 inputs, exact block dot products, float16 scales); against onnxruntime's
-MatMulNBits it agrees to the scales' rounding; the rewrite leaves what the op cannot run as
-it was.
+The op in a one-node graph on every path this CPU runs (the plain loops always: the forced
+generic path) against numpy's arithmetic of the same blocks (int8 inputs, exact block dot
+products, float16 scales), and every path against every other bit for bit; against
+onnxruntime's MatMulNBits it agrees to the scales' rounding; the rewrite leaves what the op
+cannot run as it was.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from dspark.kernels.cpu_op import int4_fast, op_library
+from dspark.kernels.cpu_op import ISA_PATHS, int4_paths, op_library
 from dspark.runtime.env import kernel_cache_dir, read_env
 from dspark.runtime.model.int4_rows import pack_groups, rewrite_int4
 from dspark.runtime.model.sessions import make_session
@@ -94,30 +95,98 @@ def _numpy_blocks(x: np.ndarray, b: np.ndarray, scales: np.ndarray, k: int, n: i
 
 
 FORMATS = [(4, False), (4, True), (8, False), (8, True)]  # bits, mins
+SHAPES = [(32, 3, 1, 1), (64, 5, 1, 1), (128, 64, 2, 2), (192, 33, 3, 2), (576, 130, 1, 2),
+          (576, 70, 5, 3), (96, 17, 4, 2), (1536, 48, 9, 2)]  # k, n, rows, threads
+
+
+def _paths() -> tuple[str, ...]:
+    built = op_library(kernel_cache_dir(), read_env().cc)
+    return int4_paths(built.path) if built.path is not None else ()
+
+
+def _run_path(library, isa: str, x, packed, rows, k, n, bits, mins) -> np.ndarray:
+    """One path alone, through the library's C entry point."""
+    y = np.full((rows, n), np.nan, np.float32)
+    run = ctypes.CDLL(str(library)).dspark_int4_run
+    run.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
+    assert run(ISA_PATHS.index(isa), x.ctypes.data, packed.ctypes.data, y.ctypes.data, rows,
+               k, n, bits, int(mins)) == 1
+    return y
+
+
+def test_this_cpu_runs_the_paths_its_flags_name(library):
+    """Reported from what the CPU says, the way the runtime picks; the plain loops always."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    want = ["generic"]
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    avx512 = avx2 and {"avx512f", "avx512bw", "avx512vl"} <= flags
+    want += ["avx2"] * avx2 + ["avx_vnni"] * (avx2 and "avx_vnni" in flags)
+    want += ["avx512"] * avx512 + ["avx512_vnni"] * (avx512 and "avx512_vnni" in flags)
+    assert list(int4_paths(library)) == want
 
 
 @pytest.mark.parametrize("bits,with_mins", FORMATS)
-@pytest.mark.parametrize("k,n,rows,threads", [
-    (32, 3, 1, 1), (64, 5, 1, 1), (128, 64, 2, 2), (192, 33, 3, 2), (576, 130, 1, 2),
-    (576, 70, 5, 3), (96, 17, 4, 2), (1536, 48, 9, 2)])
-def test_op_computes_the_blocks(library, k, n, rows, threads, bits, with_mins):
+@pytest.mark.parametrize("k,n,rows,threads", SHAPES)
+@pytest.mark.parametrize("isa", _paths())
+def test_op_computes_the_blocks(library, k, n, rows, threads, bits, with_mins, isa):
+    """Each path in the op (its `isa` attribute), against numpy and the plain loops."""
     rng = np.random.default_rng(k + n + rows + bits)
     b, scales = _weights(rng, k, n, bits)
     mins = _mins(rng, k, n) if with_mins else None
     x = rng.standard_normal((rows, k), dtype=np.float32)
     x[0, :32] = 0.0  # an all-zero block quantizes to zeros, not NaN
     packed = pack_groups(b, scales, k, n, bits, mins)
-    got = _op_session(library, k, n, packed, threads=threads, bits=bits,
-                      mins=int(with_mins)).run(None, {"x": x})[0]
+    got = _op_session(library, k, n, packed, threads=threads, bits=bits, mins=int(with_mins),
+                      isa=ISA_PATHS.index(isa)).run(None, {"x": x})[0]
     want = _numpy_blocks(x, b, scales, k, n, bits, mins)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
-    # the plain loops (what a CPU without AVX-512 VNNI runs) compute the same
-    plain = np.empty((rows, n), np.float32)
-    ref = ctypes.CDLL(str(library)).dspark_int4_reference
-    ref.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
-    assert ref(x.ctypes.data, packed.ctypes.data, plain.ctypes.data, rows, k, n, bits,
-               int(with_mins)) == 1
-    np.testing.assert_allclose(plain, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    plain = _run_path(library, "generic", x, packed, rows, k, n, bits, with_mins)
+    np.testing.assert_array_equal(got, plain)  # every path: the same bits
+
+
+@pytest.mark.parametrize("bits,with_mins", FORMATS)
+def test_every_path_gives_the_same_bits(library, bits, with_mins):
+    """Extreme inputs (every input at +-127, one value setting its block's scale) over all
+    16 rows of a group, weights at their extremes: the int16 sums without VNNI must not
+    saturate."""
+    rng = np.random.default_rng(bits * 2 + with_mins)
+    k, n, rows = 256, 45, 7
+    b = rng.choice(np.array([0, 15 * 17, 255], np.uint8), (n, k // 32, 4 * bits))
+    scales = (rng.random(n * k // 32, dtype=np.float32) * 0.02 + 1e-3).astype(np.float32)
+    mins = _mins(rng, k, n) if with_mins else None
+    x = rng.standard_normal((rows, k), dtype=np.float32)
+    x[1] = np.where(np.arange(k) % 2, 1e3, -1e3)
+    x[2, 5] = 1e6
+    packed = pack_groups(b, scales, k, n, bits, mins)
+    results = {isa: _run_path(library, isa, x, packed, rows, k, n, bits, with_mins)
+               for isa in int4_paths(library)}
+    want = _numpy_blocks(x, b, scales, k, n, bits, mins)
+    for isa, y in results.items():
+        np.testing.assert_array_equal(y, results["generic"], err_msg=isa)
+    np.testing.assert_allclose(results["generic"], want, rtol=2e-5,
+                               atol=2e-5 * np.abs(want).max())
+
+
+def test_a_path_the_cpu_lacks_is_refused(library):
+    missing = [i for i, name in enumerate(ISA_PATHS) if name not in int4_paths(library)]
+    b, scales = _weights(np.random.default_rng(1), 64, 16)
+    for isa in [*missing, len(ISA_PATHS)]:
+        with pytest.raises(Exception, match="isa names a path this CPU does not run"):
+            _op_session(library, 64, 16, pack_groups(b, scales, 64, 16), isa=isa)
+
+
+def test_the_runtime_picks_the_best_vector_path_or_the_forced_one():
+    from dspark.runtime.errors import DSparkError
+    from dspark.runtime.model.int4_rows import int4_path
+
+    every = ("generic", "avx2", "avx512")
+    assert int4_path(every, True, None) == "avx512"
+    assert int4_path(("generic",), True, None) is None  # slower than onnxruntime's kernel
+    assert int4_path(every, True, "generic") == "generic"  # forced: the plain loops
+    assert int4_path(every, False, "avx2") is None  # DSPARK_CPU_INT4=0
+    with pytest.raises(DSparkError, match="DSPARK_CPU_ISA=avx512_vnni: this CPU runs"):
+        int4_path(every, True, "avx512_vnni")
 
 
 def test_op_keeps_the_input_shape(library):
@@ -255,10 +324,3 @@ def test_bad_weights_are_refused(library):
     with pytest.raises(INVALID, match="MatMulInt4: x must be"):
         _op_session(library, 128, 8, packed).run(None, {"x": np.ones((1, 64), np.float32)})
 
-
-def test_fast_path_is_reported(library):
-    """The runtime rewrites only where the vector path is built: say which this CPU has."""
-    cpuinfo = Path("/proc/cpuinfo")
-    flags = cpuinfo.read_text() if cpuinfo.exists() else ""
-    has = all(f in flags for f in ("avx512_vnni", "avx512bw", "avx512vl"))
-    assert int4_fast(library) == has

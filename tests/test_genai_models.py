@@ -71,19 +71,27 @@ def test_genai_model_compiles_with_its_windows_and_verifies(genai_models, genai_
 
 @pytest.mark.parametrize("name", list(GENAI))
 def test_genai_model_generates_its_own_greedy_tokens(genai_models, genai_bundles, name):
-    """Prompts below, at and past the window, batched, plain and with lookup drafts."""
+    """Prompts below, at and past the window, batched, plain and with lookup drafts: the
+    same tokens each way, and the original's (int4: forks within its own int8 noise, as in
+    test_int4_mains.py)."""
     bundle = open_bundle(genai_bundles[name])
     original = OriginalModel(genai_models[name])
+    tie = 1e-4
+    if GENAI[name][1] == "int4":
+        tie = verify_model(bundle, "main", genai_models[name], seqs=2, steps=2).noise_floor
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(0, 300, n)] for n in (1, 5, 8, 13, 40)]
     refs = [original.greedy(p, 40) for p in prompts]
+    plain = None
     for speculative, window in ((False, 1), (True, 4), (True, 8)):
         engine = Engine(bundle, "fixed", window, max_batch=8)
         seqs = engine.generate([GenerationRequest(tuple(p), 40, speculative=speculative,
                                                   method="lookup") for p in prompts])
+        plain = plain or [s.generated for s in seqs]
+        assert [s.generated for s in seqs] == plain, (speculative, window)
         forks = [f for p, s, r in zip(prompts, seqs, refs)
-                 if (f := first_fork(s.generated, r, p, original, set(), s.finish_reason))]
-        assert len(forks) <= 1, (speculative, window, forks)
+                 if (f := first_fork(s.generated, r, p, original, set(), s.finish_reason, tie))]
+        assert len(forks) <= (len(prompts) if tie > 1e-4 else 1), (speculative, window, forks)
 
 
 def test_a_genai_folder_brings_its_tokenizer_and_eos(genai_models, genai_bundles):

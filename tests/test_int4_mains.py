@@ -2,7 +2,13 @@
 MatMulNBits symmetric (no zero points) and with uint8 zero points, at 4 and 8 bits, and
 `dsc quantize`'s float zero points (onnxruntime-genai's int4 builds, with their
 GatherBlockQuantized embedding, are in test_genai_models.py). Each verifies against itself
-as exported, and generates its own greedy tokens with and without speculation."""
+as exported, and generates the same greedy tokens with and without speculation.
+
+The runtime runs their projections as MatMulInt4 (each row of x alone, the same bits in a
+decode step and a verify window), the original as MatMulNBits, whose int8 inputs turn 1e-7
+differences into logit differences of ~0.5 on these random models (`dsc verify`'s noise
+floor): against the original's own greedy loop a fork is forgiven where its top-1/top-2 gap
+is within that floor, as two chunkings of the original itself would fork."""
 
 from __future__ import annotations
 
@@ -73,6 +79,8 @@ def test_low_bit_main_has_its_format_and_verifies(low_bit, name):
 def test_low_bit_main_generates_its_own_greedy_tokens(low_bit, name):
     bundle_path, path = low_bit[name]
     bundle, original = open_bundle(bundle_path), OriginalModel(path)
+    assert Engine(bundle).main.model.int4_projections > 0  # MatMulInt4, on a vector path
+    noise = verify_model(bundle, "main", path, seqs=3, steps=3).noise_floor
     rng = np.random.default_rng(11)
     prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in (1, 4, 9, 23)]
     refs = [original.greedy(p, 40) for p in prompts]
@@ -83,8 +91,7 @@ def test_low_bit_main_generates_its_own_greedy_tokens(low_bit, name):
         seqs = engine.generate([GenerationRequest(tuple(p), 40, speculative=speculative,
                                                   method=method) for p in prompts])
         got = [s.generated for s in seqs]
-        forks = [f for p, g, r, s in zip(prompts, got, refs, seqs)
-                 if (f := first_fork(g, r, p, original, set(), s.finish_reason))]
-        assert len(forks) <= 1, (speculative, window, forks)
         plain = plain or got
         assert got == plain, (speculative, window)  # speculation never changes the output
+    for p, g, r in zip(prompts, plain, refs):
+        first_fork(g, r, p, original, set(), "length", tie=max(noise, 1e-4))

@@ -10,9 +10,10 @@ import onnx
 import pytest
 
 from dspark.compiler.reference import OriginalModel
-from dspark.kernels.cpu_op import int4_fast
+from dspark.kernels.cpu_op import int4_paths
 from dspark.runtime.bundle.bundle import open_bundle
 from dspark.runtime.engine.engine import Engine, shared_kv_roles
+from dspark.runtime.model.int4_rows import int4_path
 from dspark.runtime.sequence.request import GenerationRequest
 from dspark.runtime.sequence.sampling import SamplingParams
 
@@ -97,8 +98,8 @@ def test_a_shared_draft_gets_no_pool_and_the_main_gets_its_bytes(self_draft):
 @pytest.mark.parametrize("method", ["draft", "hybrid"])
 def test_int4_copy_on_the_mains_cache_runs_matmulint4_and_stays_lossless(int4_self_bundle,
                                                                           method):
-    """The self-speculative int4 copy: its projections run as MatMulInt4 where the op has its
-    vector path (runtime/model/int4_rows.py), the main's never; output is the main's."""
+    """The self-speculative int4 copy: its projections run as MatMulInt4 on the CPU's best
+    vector path (runtime/model/int4_rows.py), the fp32 main has none; output is the main's."""
     path, main = int4_self_bundle
     bundle = open_bundle(path)
     engine = _engine(path, True)
@@ -106,8 +107,8 @@ def test_int4_copy_on_the_mains_cache_runs_matmulint4_and_stays_lossless(int4_se
     assert engine.main.model.int4_projections == 0
     graph = onnx.load(str(bundle.path(bundle.model("draft").graph_file)), load_external_data=False)
     nbits = sum(n.op_type == "MatMulNBits" for n in graph.graph.node)
-    assert nbits > 0 and draft.int4_projections == (nbits if draft.int4_rows else 0)
-    assert draft.int4_rows == int4_fast(draft.library)
+    assert nbits > 0 and draft.int4_projections == (nbits if draft.int4_path else 0)
+    assert draft.int4_path == int4_path(int4_paths(draft.library), True, None)
     rng = np.random.default_rng(5)
     prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in (4, 19, 33)]
     seqs = engine.generate([GenerationRequest(tuple(p), 24, method=method) for p in prompts])

@@ -7,11 +7,35 @@ a usage error that says which part is missing.
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import torch
 
 from dspark.runtime.errors import DSparkError
 
 DEVICES = ("auto", "cpu", "cuda")
+# the instruction sets a CPU benchmark depends on (MatMulInt4's paths, the compiled ops)
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni",
+             "asimd", "asimddp")
+
+
+def cpu_line() -> str:
+    """'CPU <model>, <cores> cores, flags <the ISA_FLAGS it has>': how every benchmark report
+    starts (users' CPUs differ; a path this one lacks is unmeasured)."""
+    import os
+
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = ""
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
+                  if ln.startswith(("model name", "Model"))), platform.processor() or "?")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines()
+                      if ln.startswith(("flags", "Features"))), []))
+    have = [f for f in ISA_FLAGS if f in flags]
+    return (f"CPU {model} ({platform.machine()}), {os.cpu_count()} cores, flags "
+            f"{' '.join(have) or 'none of ' + ' '.join(ISA_FLAGS)}")
 
 
 def cuda_problem() -> str | None:

@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from dspark.kernels.cpu_op import ISA_PATHS
 from dspark.runtime.bundle.bundle import Bundle
 from dspark.runtime.bundle.spec import INPUT_IDS, LOGITS, LOGITS_INDEX, POSITION_IDS, VERIFY_OP
 from dspark.runtime.cache.kv_arena import KVArena
@@ -38,11 +39,11 @@ def pool_inputs(layer: int) -> tuple[str, str]:
 
 
 def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int],
-                int4_rows: bool = False) -> tuple[bytes, int]:
+                int4_path: str | None = None) -> tuple[bytes, int]:
     """The role's whole graph with arena and batch inputs on every SpeculativeVerify node,
     and how many projections became MatMulInt4. pool_shape: (kv_heads, block_size, head_dim)
-    of the pool the model reads. `int4_rows`: its int4 projections as MatMulInt4
-    (int4_rows.py; a draft's, with the op's fast path)."""
+    of the pool the model reads. `int4_path`: run its low-bit projections as MatMulInt4 on
+    that path (int4_rows.py; None: keep MatMulNBits)."""
     spec = bundle.model(role)
     model = onnx.load(str(bundle.path(spec.graph_file)), load_external_data=False)
     graph = model.graph
@@ -70,25 +71,25 @@ def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int],
     graph.input.append(helper.make_tensor_value_info(TABLES, i64, ["seqs", "max_blocks"]))
     for name in (STARTS, QOFFS, NEWS):
         graph.input.append(helper.make_tensor_value_info(name, i64, ["seqs"]))
-    rewritten = (rewrite_int4(model, bundle.path(spec.graph_file).parent, read_env().threads)
-                 if int4_rows else 0)
+    rewritten = (rewrite_int4(model, bundle.path(spec.graph_file).parent, read_env().threads,
+                              ISA_PATHS.index(int4_path)) if int4_path else 0)
     return model.SerializeToString(), rewritten
 
 
 class FusedModel:
     def __init__(self, bundle: Bundle, role: str, arena: KVArena, pool: str, library: Path,
-                 profile_prefix: str | None = None, int4_rows: bool = False):
+                 profile_prefix: str | None = None, int4_path: str | None = None):
         """`pool`: the arena pool the model's attention reads and writes (a draft that shares
         the main's cache reads the main's). `library`: kernels/cpu_op.py's build.
-        `int4_rows`: run its int4 projections as MatMulInt4 (see fused_graph)."""
+        `int4_path`: run its low-bit projections as MatMulInt4 on it (see fused_graph)."""
         self.spec = bundle.model(role)
         self.arena = arena
         self.pool = pool
         self.library = library
         first = arena.pools[pool].k[0]
-        self.int4_rows = int4_rows
+        self.int4_path = int4_path
         graph, self.int4_projections = fused_graph(bundle, role, tuple(first.shape[1:]),
-                                                   int4_rows)
+                                                   int4_path)
         self.session = make_session(
             graph, custom_ops=library,
             profile_prefix=profile_prefix,

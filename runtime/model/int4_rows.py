@@ -1,4 +1,4 @@
-"""A draft's int4 projections as MatMulInt4 (kernels/cpu_int4.c): graph rewrite, group packing.
+"""Low-bit projections as MatMulInt4 (kernels/cpu_int4.c): graph rewrite, group packing.
 
 A draft that reads the main's KV cache (the self-speculative int4 copy) runs 1-3 tokens a
 forward, right after the main's step evicted its weights from the cache, so its forward is
@@ -6,16 +6,18 @@ mostly a read of every projection: SmolLM2's draft forward after a main step too
 onnxruntime's MatMulNBits, 4.7 with MatMulInt4's first layout (streamed rows, a horizontal
 sum each) and 4.1-5.1 with its groups of 16 interleaved rows (2.7 against 4.0 ms with the
 weights in the cache). Many rows gain as much (a 128-token prefill of that draft: 100 against
-201 ms), so every draft's projections are rewritten, not only a shared-cache draft's. Applied
-when the fused session is built (runtime/model/fused.py), on the bundle's MatMulNBits as the
-compiler left them; the bundle is unchanged and other executors (segments, CUDA) never see
-the op.
+201 ms). Applied when the fused session is built (runtime/model/fused.py), on the bundle's
+MatMulNBits as the compiler left them; the bundle is unchanged and other executors
+(segments, CUDA) never see the op.
 
 Rewritten: MatMulNBits with 4 or 8 bits, blocks of 32, accuracy level 4 (int8 arithmetic,
 which MatMulInt4 does too), no group index or bias, K a multiple of 32, weights, scales and
 zero points (if any: uint8 or float, the op's mins) stored as initializers. Anything else
-stays as it is. Only drafts: a main's arithmetic is what its output is, and MatMulInt4 sums
-in another order than MatMulNBits.
+stays as it is. A main's too: MatMulInt4 sums a block's products in another order than
+MatMulNBits (results agree to rounding, which `dsc verify` bounds by the original's own
+int8 noise), but each row of x alone and in the same order whatever the rows beside it, so
+a verify window scores every position as decoding it would: speculation cannot change an
+int4 main's output (MatMulNBits' own kernels differ between one row and several).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+
+from dspark.runtime.errors import DSparkError
 
 OP = "MatMulInt4"
 DOMAIN = "ai.dspark"
@@ -140,11 +144,25 @@ def block_mins(zero_points: np.ndarray | None, scales: np.ndarray, bits: int, n:
     return (-zp * np.asarray(scales, np.float32).reshape(-1)).astype(np.float32)
 
 
-def rewrite_int4(model: onnx.ModelProto, folder: Path, threads: int) -> int:
+def int4_path(paths: tuple[str, ...], enabled: bool, forced: str | None) -> str | None:
+    """The MatMulInt4 path to run among the CPU's `paths` (kernels/cpu_op.int4_paths, best
+    last), or None to keep MatMulNBits: the best when it is a vector path, the plain loops
+    only when forced (measured slower than onnxruntime's kernel: README, MatMulInt4)."""
+    if not enabled or not paths:
+        return None
+    if forced is not None:
+        if forced not in paths:
+            raise DSparkError(f"DSPARK_CPU_ISA={forced}: this CPU runs MatMulInt4's "
+                              f"{', '.join(paths)} paths")
+        return forced
+    return None if paths[-1] == "generic" else paths[-1]
+
+
+def rewrite_int4(model: onnx.ModelProto, folder: Path, threads: int, isa: int = -1) -> int:
     """Every eligible MatMulNBits of `model` (its external data under `folder`) becomes a
-    MatMulInt4 reading packed groups, held in the model, split over `threads`; the
-    count rewritten. A projection whose scales or mins float16 cannot hold stays
-    MatMulNBits."""
+    MatMulInt4 reading packed groups, held in the model, split over `threads`, on path `isa`
+    (kernels/cpu_int4.h; -1: the best the CPU runs); the count rewritten. A projection whose
+    scales or mins float16 cannot hold stays MatMulNBits."""
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     done, replaced = 0, set()
@@ -166,7 +184,7 @@ def rewrite_int4(model: onnx.ModelProto, folder: Path, threads: int) -> int:
         replaced.update(name for name in node.input[1:] if name)
         new = helper.make_node(OP, [node.input[0], rows_name], list(node.output), name=node.name,
                                domain=DOMAIN, K=k, N=n, threads=threads, bits=bits,
-                               mins=int(mins is not None))
+                               mins=int(mins is not None), isa=isa)
         node.CopyFrom(new)
         done += 1
     if done:

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import torch
 
-from dspark.kernels.cpu_op import int4_fast, op_library
+from dspark.kernels.cpu_op import int4_paths, op_library
 from dspark.kernels.library import KernelLibrary, for_device
 from dspark.runtime.bundle.bundle import Bundle
 from dspark.runtime.cache.kv_arena import KVArena
@@ -17,6 +17,7 @@ from dspark.runtime.model.batch import FlatBatch, SeqChunk
 from dspark.runtime.model.costs import CostModel
 from dspark.runtime.model.executor import SegmentedModel
 from dspark.runtime.model.fused import FusedModel
+from dspark.runtime.model.int4_rows import int4_path
 from dspark.runtime.model.kernel_attention import KernelAttention
 from dspark.runtime.model.paged_attention import PagedAttention
 
@@ -34,16 +35,17 @@ def cpu_model(bundle: Bundle, role: str, arena: KVArena, pool: str
               ) -> FusedModel | SegmentedModel:
     """One session with the CPU op inside when it can (float32 arena, the op built, not
     turned off by DSPARK_CPU_OP=0), else the segments with the numpy/numba attention.
-    A draft runs its int4 projections as MatMulInt4 where the op has its vector path
-    (int4_rows.py; DSPARK_CPU_INT4=0: not)."""
+    Low-bit projections run as MatMulInt4 on the best vector path the CPU has, or the one
+    DSPARK_CPU_ISA names (int4_rows.py; DSPARK_CPU_INT4=0: not)."""
     env = read_env()
     float32 = arena.pools[pool].k[0].dtype == torch.float32
     library = op_library(kernel_cache_dir(), env.cc) if env.cpu_op and float32 else None
     if library is not None and library.path is not None:
-        int4 = env.cpu_int4 and role != "main" and int4_fast(library.path)
-        model = FusedModel(bundle, role, arena, pool, library.path, int4_rows=int4)
+        path = int4_path(int4_paths(library.path), env.cpu_int4, env.cpu_isa)
+        model = FusedModel(bundle, role, arena, pool, library.path, int4_path=path)
         if model.int4_projections:
-            log.info("%s: %d int4 projections run as MatMulInt4", role, model.int4_projections)
+            log.info("%s: %d int4 projections run as MatMulInt4 (%s)", role,
+                     model.int4_projections, path)
         return model
     why = ("DSPARK_CPU_OP=0" if not env.cpu_op else "a non-float32 KV cache" if not float32
            else library.reason)

@@ -116,7 +116,7 @@ def _op_shares(runner: ModelRunner, bundle, context: int, sizes: tuple[int, ...]
             prefix = str(Path(tmp) / f"n{n}")
             model = (FusedModel(bundle, runner.role, runner.arena, runner.pool,
                                 runner.model.library, profile_prefix=prefix,
-                                int4_rows=runner.model.int4_rows)
+                                int4_path=runner.model.int4_path)
                      if isinstance(runner.model, FusedModel) else
                      SegmentedModel(bundle, runner.role, runner.model.attention,
                                     profile_prefix=prefix))

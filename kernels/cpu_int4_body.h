@@ -1,0 +1,126 @@
+/* One x86 path of MatMulInt4, included by cpu_int4_x86.c once per instruction set with:
+
+     NAME(x)      the path's function names          TARGET   its target attribute
+     W            int32 lanes a vector (16 or 8)     VNNI     1: vpdpbusd, 0: maddubs + madd
+     VI, VF       its integer and float vector types
+     and the operations below (LOADU, AND, SRLI16, ...) spelled in its intrinsics.
+
+   A group's 16 rows take 16 / W vectors ("halves"); per block and half the weights are loaded
+   (and at 4 bits unpacked) once for up to GROUP rows of x. The block's dot product is exact
+   in int32 either way: vpdpbusd sums four u8 x s8 products into int32; without it maddubs
+   sums pairs into int16 (at most 2 * 15 * 127 = 3810 each, eight of them 30480 < 2^15: no
+   saturation, 8-bit weights split in nibbles) and madd widens them. */
+
+static inline TARGET VI NAME(bcast4)(const int8_t *p) {
+  int32_t v;
+  memcpy(&v, p, sizeof(v));
+  return SET1_I32(v);
+}
+
+/* The block's dot products for one row of x (its 32 int8 inputs xb) against the unpacked
+   weights q[8] (at 8 bits without VNNI: low nibbles q[8], high nibbles hi[8]). */
+static inline __attribute__((always_inline)) TARGET VI NAME(dot)(const VI *q, const VI *hi,
+                                                                 const int8_t *xb,
+                                                                 const int BITS) {
+#if VNNI
+  (void)hi;
+  (void)BITS;
+  /* two chains of four: vpdpbusd's latency, not its rate, would bound one of eight */
+  VI d0 = SETZERO_I(), d1 = SETZERO_I();
+  for (int v = 0; v < 8; v += 2) {
+    d0 = DPBUSD(d0, q[v], NAME(bcast4)(xb + 4 * v));
+    d1 = DPBUSD(d1, q[v + 1], NAME(bcast4)(xb + 4 * v + 4));
+  }
+  return ADD_I32(d0, d1);
+#else
+  const VI ones = SET1_I16(1);
+  VI lo = MADDUBS(q[0], NAME(bcast4)(xb));
+  for (int v = 1; v < 8; v++) lo = ADD_I16(lo, MADDUBS(q[v], NAME(bcast4)(xb + 4 * v)));
+  if (BITS == 4) return MADD16(lo, ones);
+  VI high = MADDUBS(hi[0], NAME(bcast4)(xb));
+  for (int v = 1; v < 8; v++) high = ADD_I16(high, MADDUBS(hi[v], NAME(bcast4)(xb + 4 * v)));
+  return ADD_I32(MADD16(lo, ones), SLLI32(MADD16(high, ones), 4));
+#endif
+}
+
+/* Rows r0 .. r0+R-1 of x against group g. BITS and MINS are constants in every call. */
+static inline __attribute__((always_inline)) TARGET void NAME(group)(
+    const Int4Call *c, int64_t g, int64_t r0, int R, const int BITS, const int MINS) {
+  enum { HALVES = 16 / W };
+  const int64_t k = c->k, blocks = k / BLOCK, record = record_bytes(BITS, MINS);
+  const int32_t zero = zero_point(BITS, MINS);
+  const uint8_t *w = c->w + g * (blocks * record);
+  const VI low = SET1_I8(0x0F);
+  VF acc[GROUP][HALVES];
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < HALVES; h++) acc[r][h] = SETZERO_F();
+  for (int64_t b = 0; b < blocks; b++) {
+    const uint8_t *rec = w + b * record;
+    for (int o = 0; o < record; o += 64) _mm_prefetch((const char *)rec + PREFETCH + o, _MM_HINT_T0);
+    for (int h = 0; h < HALVES; h++) {
+      /* vector v holds inputs 4v .. 4v+3 of the block for this half's rows */
+      VI q[8], hi[8];
+      if (BITS == 4) {
+        for (int v = 0; v < 4; v++) {
+          const VI packed = LOADU(rec + 64 * v + 4 * W * h);
+          q[2 * v] = AND(packed, low);
+          q[2 * v + 1] = AND(SRLI16(packed, 4), low);
+        }
+      } else {
+        for (int v = 0; v < 8; v++) {
+          q[v] = LOADU(rec + 64 * v + 4 * W * h);
+          if (!VNNI) {
+            hi[v] = AND(SRLI16(q[v], 4), low);
+            q[v] = AND(q[v], low);
+          }
+        }
+      }
+      const VF ws = LOAD_HALVES(rec + 64 * BITS + 2 * W * h);
+      const VF ms = MINS ? LOAD_HALVES(rec + 64 * BITS + 32 + 2 * W * h) : SETZERO_F();
+      for (int r = 0; r < R; r++) {
+        const int64_t row = r0 + r;
+        const int32_t sum = c->zx[row * blocks + b];
+        const float sx = c->sx[row * blocks + b];
+        VI d = NAME(dot)(q, hi, c->x8 + row * k + b * BLOCK, BITS);
+        d = ADD_I32(d, SET1_I32(-zero * sum));
+        acc[r][h] = FMADD(CVT_F(d), MUL_F(ws, SET1_F(sx)), acc[r][h]);
+        if (MINS) acc[r][h] = FMADD(ms, SET1_F(sx * (float)sum), acc[r][h]);
+      }
+    }
+  }
+  const int64_t outs = c->n - g * LANES < LANES ? c->n - g * LANES : LANES;
+  for (int r = 0; r < R; r++)
+    for (int h = 0; h < HALVES; h++) {
+      float *y = c->y + (r0 + r) * c->n + g * LANES + h * W;
+      const int64_t left = outs - h * W;
+      if (left >= W) {
+        STOREU_F(y, acc[r][h]);
+      } else if (left > 0) {
+        float tmp[16];
+        STOREU_F(tmp, acc[r][h]);
+        memcpy(y, tmp, (size_t)left * sizeof(float));
+      }
+    }
+}
+
+static inline __attribute__((always_inline)) TARGET void NAME(groups_of)(
+    const Int4Call *c, int64_t g0, int64_t g1, const int BITS, const int MINS) {
+  for (int64_t g = g0; g < g1; g++)
+    for (int64_t r0 = 0; r0 < c->rows; r0 += GROUP) {
+      switch (c->rows - r0 < GROUP ? c->rows - r0 : GROUP) {
+        case 1: NAME(group)(c, g, r0, 1, BITS, MINS); break;
+        case 2: NAME(group)(c, g, r0, 2, BITS, MINS); break;
+        case 3: NAME(group)(c, g, r0, 3, BITS, MINS); break;
+        default: NAME(group)(c, g, r0, 4, BITS, MINS); break;
+      }
+    }
+}
+
+static TARGET void NAME(groups)(const Int4Call *c, int64_t g0, int64_t g1) {
+  const uint8_t *start = c->w + g0 * (c->k / BLOCK * record_bytes(c->bits, c->mins));
+  for (int64_t o = 0; o < PREFETCH; o += 64) _mm_prefetch((const char *)(start + o), _MM_HINT_T0);
+  if (c->bits == 4 && !c->mins) NAME(groups_of)(c, g0, g1, 4, 0);
+  else if (c->bits == 4) NAME(groups_of)(c, g0, g1, 4, 1);
+  else if (!c->mins) NAME(groups_of)(c, g0, g1, 8, 0);
+  else NAME(groups_of)(c, g0, g1, 8, 1);
+}

@@ -1,0 +1,160 @@
+/* MatMulInt4's x86 paths: cpu_int4_body.h once per instruction set, each function compiled
+   for that set alone (a target attribute; the file's own flags are a baseline every x86-64
+   has, see kernels/cpu_op.py), chosen at run time by what the CPU reports. As ggml does, so
+   one build serves a CPU with AVX-512 and one without, and a test can run every path this
+   CPU has.
+
+     path          rows a vector   dot product of a block (4 inputs x 16 rows an instruction)
+     avx512_vnni   16              vpdpbusd
+     avx512        16              vpmaddubsw + vpmaddwd (AVX-512 BW)
+     avx_vnni       8              vpdpbusd (VEX, 256 bits)
+     avx2           8              vpmaddubsw + vpmaddwd, F16C for the scales, FMA */
+
+#include <string.h>
+
+#include "cpu_int4.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+/* ---- 512 bits: 16 rows a vector ---- */
+#define W 16
+#define VI __m512i
+#define VF __m512
+#define LOADU(p) _mm512_loadu_si512((const void *)(p))
+#define AND(a, b) _mm512_and_si512(a, b)
+#define SRLI16(a, n) _mm512_srli_epi16(a, n)
+#define SLLI32(a, n) _mm512_slli_epi32(a, n)
+#define SET1_I8(v) _mm512_set1_epi8(v)
+#define SET1_I16(v) _mm512_set1_epi16(v)
+#define SET1_I32(v) _mm512_set1_epi32(v)
+#define SETZERO_I() _mm512_setzero_si512()
+#define ADD_I16(a, b) _mm512_add_epi16(a, b)
+#define ADD_I32(a, b) _mm512_add_epi32(a, b)
+#define MADDUBS(a, b) _mm512_maddubs_epi16(a, b)
+#define MADD16(a, b) _mm512_madd_epi16(a, b)
+#define DPBUSD(acc, a, b) _mm512_dpbusd_epi32(acc, a, b)
+#define CVT_F(a) _mm512_cvtepi32_ps(a)
+#define SETZERO_F() _mm512_setzero_ps()
+#define SET1_F(v) _mm512_set1_ps(v)
+#define MUL_F(a, b) _mm512_mul_ps(a, b)
+#define FMADD(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define STOREU_F(p, v) _mm512_storeu_ps(p, v)
+#define LOAD_HALVES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+
+#define NAME(x) avx512_vnni_##x
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+#define VNNI 1
+#include "cpu_int4_body.h"
+#undef NAME
+#undef TARGET
+#undef VNNI
+
+#define NAME(x) avx512_##x
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
+#define VNNI 0
+#include "cpu_int4_body.h"
+#undef NAME
+#undef TARGET
+#undef VNNI
+
+#undef W
+#undef VI
+#undef VF
+#undef LOADU
+#undef AND
+#undef SRLI16
+#undef SLLI32
+#undef SET1_I8
+#undef SET1_I16
+#undef SET1_I32
+#undef SETZERO_I
+#undef ADD_I16
+#undef ADD_I32
+#undef MADDUBS
+#undef MADD16
+#undef DPBUSD
+#undef CVT_F
+#undef SETZERO_F
+#undef SET1_F
+#undef MUL_F
+#undef FMADD
+#undef STOREU_F
+#undef LOAD_HALVES
+
+/* ---- 256 bits: 8 rows a vector, two halves a group ---- */
+#define W 8
+#define VI __m256i
+#define VF __m256
+#define LOADU(p) _mm256_loadu_si256((const __m256i *)(p))
+#define AND(a, b) _mm256_and_si256(a, b)
+#define SRLI16(a, n) _mm256_srli_epi16(a, n)
+#define SLLI32(a, n) _mm256_slli_epi32(a, n)
+#define SET1_I8(v) _mm256_set1_epi8(v)
+#define SET1_I16(v) _mm256_set1_epi16(v)
+#define SET1_I32(v) _mm256_set1_epi32(v)
+#define SETZERO_I() _mm256_setzero_si256()
+#define ADD_I16(a, b) _mm256_add_epi16(a, b)
+#define ADD_I32(a, b) _mm256_add_epi32(a, b)
+#define MADDUBS(a, b) _mm256_maddubs_epi16(a, b)
+#define MADD16(a, b) _mm256_madd_epi16(a, b)
+#define DPBUSD(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
+#define CVT_F(a) _mm256_cvtepi32_ps(a)
+#define SETZERO_F() _mm256_setzero_ps()
+#define SET1_F(v) _mm256_set1_ps(v)
+#define MUL_F(a, b) _mm256_mul_ps(a, b)
+#define FMADD(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define STOREU_F(p, v) _mm256_storeu_ps(p, v)
+#define LOAD_HALVES(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+
+#define NAME(x) avx_vnni_##x
+#define TARGET __attribute__((target("avx2,avxvnni,f16c,fma")))
+#define VNNI 1
+#include "cpu_int4_body.h"
+#undef NAME
+#undef TARGET
+#undef VNNI
+
+#define NAME(x) avx2_##x
+#define TARGET __attribute__((target("avx2,f16c,fma")))
+#define VNNI 0
+#include "cpu_int4_body.h"
+#undef NAME
+#undef TARGET
+#undef VNNI
+
+int int4_x86_supported(int isa) {
+  __builtin_cpu_init();
+  const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                   __builtin_cpu_supports("f16c");
+  const int avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                     __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  switch (isa) {
+    case ISA_AVX2: return avx2;
+    case ISA_AVX_VNNI: return avx2 && __builtin_cpu_supports("avxvnni");
+    case ISA_AVX512: return avx512;
+    case ISA_AVX512_VNNI: return avx512 && __builtin_cpu_supports("avx512vnni");
+    default: return 0;
+  }
+}
+
+int int4_groups_x86(int isa, const Int4Call *c, int64_t g0, int64_t g1) {
+  switch (isa) {
+    case ISA_AVX512_VNNI: avx512_vnni_groups(c, g0, g1); return 1;
+    case ISA_AVX512: avx512_groups(c, g0, g1); return 1;
+    case ISA_AVX_VNNI: avx_vnni_groups(c, g0, g1); return 1;
+    case ISA_AVX2: avx2_groups(c, g0, g1); return 1;
+    default: return 0;
+  }
+}
+
+#else /* not x86-64 with GCC or clang: the plain loops only */
+
+int int4_x86_supported(int isa) { (void)isa; return 0; }
+
+int int4_groups_x86(int isa, const Int4Call *c, int64_t g0, int64_t g1) {
+  (void)isa, (void)c, (void)g0, (void)g1;
+  return 0;
+}
+
+#endif
