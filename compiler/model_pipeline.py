@@ -27,7 +27,9 @@ from dspark.compiler.passes.projections import fuse_projections
 from dspark.compiler.passes.rotary import fuse_rotary
 from dspark.compiler.passes.segments import SegmentCut, cut_segments, segment_graph
 from dspark.compiler.passes.select_logits import select_logits_rows
+from dspark.compiler.passes.sink_transpose import sink_head_transposes
 from dspark.compiler.passes.span import exposed_types, find_spans
+from dspark.compiler.passes.tied_head import share_tied_head
 from dspark.compiler.passes.verify_layout import token_major_verify
 from dspark.compiler.passes.verify_nodes import (
     LayerGeometry,
@@ -129,6 +131,7 @@ def rewrite(graph: gs.Graph, contract: InputContract, role: str, progress: Progr
     graph.cleanup().toposort()
     if lean:
         counts["shapes_folded"] = fold_shapes(graph, analysis.shape_samples, role)
+        counts["transposes_sunk"] = sink_head_transposes(graph)
         counts["rotary_fused"], unfused = fuse_rotary(graph, role, max_positions)
         counts["rotary_unfused"] = len(unfused)
         if unfused:
@@ -137,6 +140,7 @@ def rewrite(graph: gs.Graph, contract: InputContract, role: str, progress: Progr
         counts["verify_token_major"] = token_major_verify(graph)
         counts["projections_joined"] = fuse_projections(graph)
     counts["logits_rows_selected"] = select_logits_rows(graph)
+    counts["tied_head_shared"] = share_tied_head(graph)
     graph.toposort()
     progress.say(f"{role}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
     return Rewritten(geometry, windows, analysis.vocab_size, counts)

@@ -24,7 +24,7 @@ def _is_scalar_const(t: gs.Tensor) -> bool:
     return isinstance(t, gs.Constant) and t.values.size == 1
 
 
-def _projection(logits: gs.Variable) -> gs.Node | None:
+def head_projection(logits: gs.Variable) -> gs.Node | None:
     """The vocab projection feeding `logits` through token-wise ops only, else None."""
     t = logits
     while t.inputs:
@@ -40,7 +40,7 @@ def _projection(logits: gs.Variable) -> gs.Node | None:
 
 def select_logits_rows(graph: gs.Graph) -> int:
     logits = next((t for t in graph.outputs if t.name == LOGITS), None)
-    node = _projection(logits) if logits is not None else None
+    node = head_projection(logits) if logits is not None else None
     if node is None or not node.inputs[0].shape or len(node.inputs[0].shape) < 2:
         return 0
     hidden = node.inputs[0]
