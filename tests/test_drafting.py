@@ -3,6 +3,7 @@ the hybrid's choice of source (fake costs stand in for measured ones)."""
 
 from __future__ import annotations
 
+import math
 import numpy as np
 import pytest
 
@@ -196,6 +197,24 @@ def test_hybrid_keeps_plain_when_the_draft_model_does_not_pay():
     seq = _seq(list(range(10, 20)))  # nothing repeats: no lookup proposal
     assert hybrid.propose([(seq, "hybrid", 4, 8)], keep=lambda s, j: True) == ["plain"]
     assert model.asked == []
+
+
+@pytest.mark.parametrize("draft_ms,rounds", [(3.0, 8), (40.0, 8), (180.0, 8)])
+def test_a_model_that_did_not_pay_is_retried_within_a_budget(draft_ms, rounds):
+    """Re-trials of a model that lost: after `explore_every` rounds without it, and only when
+    those rounds' time covers the trial's extra seconds 1/EXPLORE_SHARE times over: a draft
+    forward dearer than 6 main steps (a slow kernel, a busy core) is tried every ~200
+    rounds, a cheap one every 8."""
+    from dspark.runtime.dflash.source import EXPLORE_SHARE
+
+    costs = _costs(draft_ms=draft_ms)
+    chooser = SourceChooser(DraftingConfig(explore_every=rounds), costs)
+    trial = chooser.seconds(0, 1)
+    tries = [i for i in range(1, 2001) if chooser.explore(1, trial)]
+    plain = costs.seconds("main", 1)
+    gap = max(rounds, math.ceil((trial - plain) / (plain * EXPLORE_SHARE)))
+    assert tries[:3] == [gap, 2 * gap, 3 * gap]
+    assert len(tries) * (trial - plain) <= EXPLORE_SHARE * 2000 * plain + trial
 
 
 def test_hybrid_drafts_with_a_cheap_model_and_prefers_a_strong_lookup():

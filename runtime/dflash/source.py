@@ -14,8 +14,12 @@ a_j is the lookup's survival to draft j (the product of its step confidences, ca
 per sequence by what was accepted), b_j the model's survival to position j on this
 sequence: the product of its acceptance at each position up to j among the rounds that
 reached it, each shrunk toward its acceptance over all positions (_model_survival). A
-source must beat plain decoding by MARGIN. A source that loses is re-measured every
-`explore_every` plain rounds with one cheap round.
+source must beat plain decoding by MARGIN. A model that loses is re-measured with one
+cheap round after `explore_every` rounds without it, and only once those rounds' time pays
+for the trial's extra seconds EXPLORE_SHARE times over: a draft dearer than the main (a CPU
+where its kernel is slow, a core taken by other work) is tried rarely enough that the
+trials cost at most that share. Measured: a draft at 6 main steps re-tried every 8 rounds
+took default speculation to 0.75x of plain.
 
 The costs leave out the engine's own per-round work and drift with the context, so rounds
 take longer than predicted: for model rounds and for plain rounds alike, each tracked as
@@ -42,12 +46,14 @@ POSITION_WEIGHT = 4.0  # rounds the pooled acceptance is worth at each draft pos
 MARGIN = 1.05
 STEADY_BEHIND = 2  # tokens a draft model used every round reads before drafting
 SMOOTHING = 0.2
+EXPLORE_SHARE = 0.03  # of a sequence's time without the model, at most, for trials of it
 
 
 @dataclass
 class SourceState:
     calibration: dict[str, float] = field(default_factory=dict)  # observed / predicted, EWMA
     idle_rounds: int = 0  # rounds since the model was last tried
+    idle_seconds: float = 0.0  # their predicted time as plain rounds
     speed: dict[str, float] = field(default_factory=dict)  # predicted / realized seconds
     predicted: tuple[str, float] | None = None  # this round's kind and predicted seconds
 
@@ -194,11 +200,16 @@ class SourceChooser:
                 best, best_rate = extra, r
         return best
 
-    def explore(self, seq_id: int) -> bool:
-        """Count a round without the model; True every `explore_every` such rounds."""
-        state = self.state(seq_id)
+    def explore(self, seq_id: int, trial: float | None = None) -> bool:
+        """Count a round without the model; True once `explore_every` such rounds have
+        passed and their time covers `trial` (the predicted seconds of a one-draft model
+        round) beyond a plain round's EXPLORE_SHARE times over."""
+        state, plain = self.state(seq_id), self.seconds(0) or 0.0
         state.idle_rounds += 1
-        if state.idle_rounds >= self.config.explore_every:
-            state.idle_rounds = 0
+        state.idle_seconds += plain
+        extra = max(0.0, (trial or plain) - plain)
+        if (state.idle_rounds >= self.config.explore_every
+                and state.idle_seconds * EXPLORE_SHARE >= extra):
+            state.idle_rounds, state.idle_seconds = 0, 0.0
             return True
         return False

@@ -99,7 +99,7 @@ class HybridDrafter:
                     pending, keep, seq.stats, behind + len(pending), overhead):
                 self._drop_pending(seq)
                 chosen = ([], alone, behind)
-        elif not keep and choose.explore(seq.id):
+        elif not keep and choose.explore(seq.id, choose.seconds(0, 1, behind, overhead)):
             chosen = ([], 1, behind)
         survivals, extra, read = chosen
         if extra and (lag <= STEADY_BEHIND or read_prompt):  # a prompt catch-up says little
