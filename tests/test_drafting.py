@@ -4,6 +4,7 @@ the hybrid's choice of source (fake costs stand in for measured ones)."""
 from __future__ import annotations
 
 import math
+
 import numpy as np
 import pytest
 
