@@ -1,7 +1,7 @@
 """Token-for-token comparison against a reference greedy run, forgiving only measured near-ties.
 
 Batched and single-sequence forwards sum in different orders, so a greedy path may fork
-where the reference's top-1 and top-2 logits are within ~1e-4 (shared/DESIGN.md section 6).
+where the reference's top-1 and top-2 logits are within ~1e-4 (docs/architecture.md).
 Such a fork is reported; any other difference fails.
 """
 

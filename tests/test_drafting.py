@@ -354,3 +354,29 @@ def test_lookup_trust_is_validated():
         DraftingConfig(lookup_trust=1.5).validate("drafting")
     with pytest.raises(ConfigError, match="drafting.hybrid_min_window"):
         DraftingConfig(hybrid_min_window=-1).validate("drafting")
+
+
+def test_pending_drafts_are_kept_only_as_far_as_they_pay():
+    """A verify of k+1 tokens costs more than a decode: drafts unlikely to survive go
+    (plain decoding must be beaten by MARGIN), likely ones stay, forced ones always."""
+    chooser = SourceChooser(DraftingConfig(), _costs())  # 30 ms a decode, +2 ms a token
+    assert chooser.worth([0.03, 0.01]) == 0
+    assert chooser.worth([0.9, 0.8, 0.6]) == 3
+    assert chooser.worth([0.9, 0.05, 0.01]) == 1  # the prefix with the best rate
+    assert chooser.worth([1.0, 1.0, 0.01], sure=2) == 2
+    assert SourceChooser(DraftingConfig(), CostModel()).worth([0.01]) == 1  # unmeasured
+
+
+def test_lookup_backs_off_while_it_pays_nothing():
+    """Rounds whose lookup kept nothing double the rounds skipped before the next (up to
+    MAX_SKIP); a kept draft starts over."""
+    from dspark.runtime.drafting.hybrid import Backoff
+
+    backoff, looked = Backoff(), []
+    for round_ in range(100):
+        if backoff.ready(7):
+            looked.append(round_)
+            backoff.record(7, kept=round_ >= 60)
+    gaps = [b - a for a, b in zip(looked, looked[1:])]
+    assert gaps[:4] == [1, 4, 8, 16] and max(gaps) == Backoff.MAX_SKIP + 1
+    assert looked[-3:] == [97, 98, 99]  # a kept draft (round 63): every round again

@@ -1,6 +1,6 @@
 """dflash_config.json: the DFlash scheduler's parameters, the bundle's one mutable file.
 
-Frozen dataclasses with their defaults (shared/DESIGN.md section 4); `load_config` validates a
+Frozen dataclasses with their defaults (docs/drafting.md); `load_config` validates a
 file strictly: an unknown field, a wrong type or a value out of range names its JSON path.
 """
 
@@ -94,7 +94,7 @@ class DraftingConfig:
 
     method: str = "auto"
     lookup: LookupConfig = field(default_factory=LookupConfig)
-    explore_every: int = 8  # plain rounds between re-measurements of a source that did not pay
+    explore_every: int = 8  # rounds without the model, at least, between re-trials (source.py)
     lookup_trust: float = 0.5  # hybrid: a lookup whose first draft is this likely runs alone
     # hybrid: the model window offered is at least this (within every cap) whatever an
     # adaptive window policy says; its cost model still picks how many (0 included)

@@ -11,16 +11,35 @@ which is what is left for the engine's own overhead to lose.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
+import subprocess
+import sys
 import time
 from importlib import resources
 from pathlib import Path
 
 from dspark.runtime.engine.engine import Engine
 from dspark.runtime.errors import DSparkError
+from dspark.runtime.model.device import cpu_line
 from dspark.runtime.sequence.prompt import prompt_ids
 from dspark.runtime.sequence.request import GenerationRequest
+
+
+@contextlib.contextmanager
+def busy_core(on: bool):
+    """While inside, another process spins on one core (`--background-load`): the engine
+    measures its costs under that load, as on a machine busy with other work."""
+    if not on:
+        yield
+        return
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
 
 
 def load_prompts(path: Path | None) -> list[dict]:
@@ -101,7 +120,8 @@ def run_bench(engine: Engine, tokenizer, prompts: list[dict], max_tokens: int,
     classes = sorted({p["class"] for p in prompts})
     per_class = [_summarise([[x for p in prompts if p["class"] == c for x in runs[(p["name"], m)]]
                              for m in ("plain", "spec")], w, name=c, cls=c) for c in classes]
-    return {"window": w, "policy": engine.planner.policy_name, "max_tokens": max_tokens,
+    return {"cpu": cpu_line(), "window": w, "policy": engine.planner.policy_name,
+            "max_tokens": max_tokens,
             "repeats": repeats, "prompts": per_prompt, "classes": per_class}
 
 
@@ -162,7 +182,7 @@ def run_sweep(engine: Engine, tokenizer, prompts: list[dict], max_tokens: int, r
             rows.append(_sweep_row(cls, label, [x for n in names for x in runs[(n, label)]],
                                    plain, [runs[(n, "plain")] for n in names],
                                    [runs[(n, label)] for n in names]))
-    return {"max_tokens": max_tokens, "repeats": repeats, "sweep": rows}
+    return {"cpu": cpu_line(), "max_tokens": max_tokens, "repeats": repeats, "sweep": rows}
 
 
 def _sweep_row(cls: str, label: str, xs: list[dict], plain_tps: float,
@@ -184,7 +204,8 @@ def _sweep_row(cls: str, label: str, xs: list[dict], plain_tps: float,
 
 
 def format_sweep(report: dict) -> str:
-    lines = [f"{report['max_tokens']} tokens, median of {report['repeats']} rotated runs",
+    lines = [report["cpu"], f"{report['max_tokens']} tokens, median of {report['repeats']} "
+             "rotated runs",
              f"{'class':<6}{'mode':<11}{'tok/s':>8}{'speedup':>9}{'accept':>8}{'window':>8}"
              f"{'tok/fwd':>8}  same  rounds by source"]
     for row in report["sweep"]:
@@ -227,8 +248,8 @@ def format_report(report: dict) -> str:
     head = (f"{'prompt':<12}{'class':<6}{'plain t/s':>10}{'spec t/s':>10}{'speedup':>9}"
             f"{'accept':>8}{'alpha':>7}{'acc/rnd':>8}{'c':>6}{'verify/dec':>11}{'bound':>7}"
             f"{'meas/bound':>11}{'bound(v)':>9}{'meas/b(v)':>10}  same")
-    lines = [f"window {report['window']}, {report['max_tokens']} tokens, median of "
-             f"{report['repeats']} interleaved runs", head]
+    lines = [report["cpu"], f"window {report['window']}, {report['max_tokens']} tokens, "
+             f"median of {report['repeats']} interleaved runs", head]
     for row in report["prompts"] + [None] + report["classes"]:
         if row is None:
             lines.append("-" * len(head))

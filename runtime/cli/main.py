@@ -185,11 +185,23 @@ def generate(model: Path, prompt, prompt_ids, chat, max_tokens: int, temperature
 @click.option("--plot", type=PathArg, help="write acceptance and tokens/s per prompt (PNG)")
 @click.option("--profile", is_flag=True,
               help="instead: where a decode and a verify step spend their time")
+@click.option("--background-load", is_flag=True,
+              help="keep one core busy with another process while measuring")
 @drafter_option
 @device_option
 def bench(model: Path, prompts, max_tokens: int, repeats: int, window, policy, policies,
-          config_path, as_json: bool, plot, profile: bool, drafter, device: str) -> None:
+          config_path, as_json: bool, plot, profile: bool, background_load: bool, drafter,
+          device: str) -> None:
     """Speculative vs plain decoding on the same prompts, interleaved, in one process."""
+    from dspark.runtime.cli.bench import busy_core
+
+    with busy_core(background_load):
+        _bench(model, prompts, max_tokens, repeats, window, policy, policies, config_path,
+               as_json, plot, profile, drafter, device)
+
+
+def _bench(model: Path, prompts, max_tokens: int, repeats: int, window, policy, policies,
+           config_path, as_json: bool, plot, profile: bool, drafter, device: str) -> None:
     from dspark.runtime.cli.bench import (
         format_report,
         format_sweep,

@@ -30,6 +30,40 @@ Keep = Callable[[Sequence, int], bool]
 FORCED = "grammar"  # the source name of forced drafts
 
 
+class Backoff:
+    """When to look up again for a sequence whose lookups paid nothing: each round whose
+    lookup kept no draft (no match, or none worth its verify) doubles the rounds skipped
+    before the next lookup, up to MAX_SKIP; one kept draft resets it. The lookup's walk
+    costs ~0.1 ms a round, 3% of an int4 SmolLM2 step: a chat whose drafts never paid ran
+    at 0.95x of plain decoding."""
+
+    MAX_SKIP = 16
+
+    def __init__(self):
+        self.misses: dict[int, int] = {}
+        self.skip: dict[int, int] = {}
+
+    def ready(self, seq_id: int) -> bool:
+        left = self.skip.get(seq_id, 0)
+        if left:
+            self.skip[seq_id] = left - 1
+        return not left
+
+    def record(self, seq_id: int, kept: bool) -> None:
+        misses = 0 if kept else self.misses.get(seq_id, 0) + 1
+        self.misses[seq_id] = misses
+        self.skip[seq_id] = min(self.MAX_SKIP, (1 << misses) - 1) if misses > 1 else 0
+
+    def forget(self, seq_id: int) -> None:
+        self.misses.pop(seq_id, None)
+        self.skip.pop(seq_id, None)
+
+
+def _forced(st: DraftState) -> int:
+    """How many pending drafts, from the first, a grammar forced (sure, free)."""
+    return next((i for i, s in enumerate(st.sources) if s != FORCED), len(st.sources))
+
+
 class HybridDrafter:
     name = "hybrid"
 
@@ -39,13 +73,17 @@ class HybridDrafter:
         self.model = model
         self.chooser = chooser
         self.states: dict[int, DraftState] = {}
+        self.backoff = Backoff()
 
     @property
     def drafters(self) -> list:
         return [d for d in (self.lookup, self.model) if d is not None]
 
     def state(self, seq: Sequence) -> DraftState:
-        return self.states.setdefault(seq.id, DraftState())
+        st = self.states.get(seq.id)
+        if st is None:
+            st = self.states[seq.id] = DraftState()
+        return st
 
     def survivals(self, seq: Sequence, count: int | None = None) -> list[float]:
         st = self.state(seq)
@@ -55,11 +93,18 @@ class HybridDrafter:
     def propose(self, jobs: list[tuple[Sequence, str, int, int]], keep: Keep) -> list[str]:
         """jobs: (seq, method, model window, lookup cap); returns the source used per job:
         plain, lookup, draft or lookup+draft (held drafts count as what proposed them)."""
-        self.lookup.propose([DraftWork(s, self.state(s), len(self.state(s)) + cap)
-                             for s, method, _, cap in jobs if method != "draft" and cap])
+        caps = {s.id: cap for s, method, _, cap in jobs if method != "draft" and cap
+                and self.backoff.ready(s.id)}
+        self.lookup.propose([DraftWork(s, self.state(s), len(self.state(s)) + caps[s.id])
+                             for s, *_ in jobs if s.id in caps])
         model_work = []
         for seq, method, window, _ in jobs:
             st = self.state(seq)
+            if method != "draft":  # pending drafts that would not pay their verify go
+                before = len(st)
+                self.truncate(seq, self.chooser.worth(self.survivals(seq), _forced(st)))
+                if seq.id in caps:
+                    self.backoff.record(seq.id, kept=len(st) > _forced(st) and before > 0)
             extra = self._extension(seq, window) if method == "hybrid" else window
             if method == "draft":
                 extra = window - len(st)
@@ -155,6 +200,7 @@ class HybridDrafter:
 
     def release(self, seq: Sequence) -> None:
         self.states.pop(seq.id, None)
+        self.backoff.forget(seq.id)
         self.chooser.forget(seq.id)
         for drafter in self.drafters:
             drafter.release(seq)

@@ -1,8 +1,8 @@
 """onnxruntime session creation with one process-wide thread pool.
 
 Many sessions take turns (31 segments per model, main and draft): with a pool per session
-the idle pools spin and steal the cores, which measured 20x slower than one shared pool
-(shared/FACTS.md). So every session here uses the global pool, created once per process
+the idle pools spin and steal the cores, which measured 20x slower than one shared pool on a
+2-core VM. So every session here uses the global pool, created once per process
 before the first session, and torch, which runs the attention between segments, stays at
 one thread, and so does numpy's BLAS (the CPU attention's small matmuls): a multi-threaded
 OpenBLAS spins against onnxruntime's pool and made a 100-token prefill 3x slower. If
