@@ -89,9 +89,12 @@ def quantize_cmd(main: Path, out: Path, head_bits: str, force: bool) -> None:
     if out.exists() and not force:
         raise click.UsageError(f"{out} exists (--force replaces it)")
     report = quantize_file(main, out, int(head_bits))
+    embedding = (("exactly" if report.embedding_exact else "rounded") if report.embedding
+                 else "none found")
     click.echo(f"wrote {out}: {report.projections} projections quantized, {report.exact} of "
                f"them exactly (weights already on the grid), head "
-               f"{report.head or 'none found'}, {report.kept} float MatMuls kept")
+               f"{report.head or 'none found'}, embedding at 8 bits {embedding}, "
+               f"{report.kept} float MatMuls kept")
 
 
 @cli.command("inspect")

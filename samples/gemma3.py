@@ -18,7 +18,7 @@ from pathlib import Path
 
 import gguf_sample
 
-RECIPE_VERSION = 1  # bump when the recipe (gguf_sample.build) changes its outputs
+RECIPE_VERSION = 2  # bump when the recipe (gguf_sample.build, dsc quantize) changes its outputs
 
 
 def gguf_path(folder: Path) -> Path:

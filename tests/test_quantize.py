@@ -131,3 +131,26 @@ def test_a_model_without_projections_is_refused(tmp_path):
     with pytest.raises(Exception, match="no MatMul with a float"):
         quantize_file(path, tmp_path / "out.onnx")
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_the_embedding_goes_to_8_bits_exactly_on_its_grid():
+    """A Gather of a float table by input_ids becomes GatherBlockQuantized (8 bits, blocks
+    of 32 along the hidden axis): a Q8_0 table is held exactly, and onnxruntime gathers the
+    same rows."""
+    rng = np.random.default_rng(4)
+    table = _q8_0_grid(rng, 64, 50).T.copy()  # [V=50, d=64], Q8_0 blocks along d
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "input_ids"], ["e"], name="embed"),
+         helper.make_node("MatMul", ["e", "w"], ["logits"], name="head")], "g",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(table, "table"),
+         numpy_helper.from_array(_q8_0_grid(rng, 64, 50), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    before = make_session(model.SerializeToString()).run(None, {"input_ids": [[3, 7, 49]]})[0]
+    report = quantize_model(model)
+    assert report.embedding == "embed" and report.embedding_exact
+    assert [n.op_type for n in model.graph.node] == ["GatherBlockQuantized", "MatMulNBits"]
+    assert "table" not in {t.name for t in model.graph.initializer}
+    after = make_session(model.SerializeToString()).run(None, {"input_ids": [[3, 7, 49]]})[0]
+    np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-4)
