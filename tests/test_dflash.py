@@ -19,7 +19,8 @@ from dspark.runtime.bundle.config import (
 from dspark.runtime.dflash.che import CacheHealth, hit_rate, measure
 from dspark.runtime.dflash.dwc import DynamicWindow
 from dspark.runtime.dflash.goodput import select_slots
-from dspark.runtime.dflash.policy import RoundView, make_policy
+from dspark.runtime.dflash.policies import make_policy
+from dspark.runtime.dflash.policy import RoundView
 from dspark.runtime.dflash.reload import ConfigWatcher
 from dspark.runtime.dflash.vlb import VerifyBalancer
 from dspark.runtime.errors import DSparkError

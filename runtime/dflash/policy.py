@@ -1,4 +1,4 @@
-"""The window-policy interface and its registry.
+"""The window-policy interface (the registry that builds them: dflash/policies.py).
 
 A policy sees a `RoundView` (lengths and the sequence's SeqStats) and the cost model; it
 never touches the executor. Per round it answers three questions:
@@ -12,7 +12,6 @@ never touches the executor. Per round it answers three questions:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -78,18 +77,3 @@ class FixedWindow:
 
     def forget(self, seq_id: int) -> None:
         pass
-
-
-def _registry() -> dict[str, Callable[..., WindowPolicy]]:
-    from dspark.runtime.dflash.dwc import DynamicWindow
-    from dspark.runtime.dflash.goodput import GoodputWindow
-
-    return {"fixed": FixedWindow, "dflash": DynamicWindow, "goodput": GoodputWindow}
-
-
-def make_policy(name: str, **kwargs) -> WindowPolicy:
-    """kwargs: window (fixed), config (WindowConfig), costs (CostModel) as each needs."""
-    policies = _registry()
-    if name not in policies:
-        raise DSparkError(f"unknown window policy {name!r} (known: {', '.join(sorted(policies))})")
-    return policies[name](**kwargs)

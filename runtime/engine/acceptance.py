@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dspark.runtime.sequence.sampling import sample
+from dspark.runtime.drafting.state import DraftState
+from dspark.runtime.sequence.request import Sequence
+from dspark.runtime.sequence.sampling import probabilities, sample
 
 
 @dataclass(frozen=True)
@@ -83,3 +85,19 @@ class LazyRows:
         if i not in self.rows:
             self.rows[i] = self.fn(i)
         return self.rows[i]
+
+
+def accept(seq: Sequence, pending: DraftState, k: int, logits: np.ndarray) -> Acceptance:
+    """A sequence's round: greedy takes the exact-match rule, sampling rejection sampling
+    against the drafts' proposals q; a grammar masks each row first (runtime/grammar)."""
+    params, drafts = seq.request.sampling, pending.tokens[:k]
+    if seq.constraint is None:
+        if params.greedy:
+            return accept_greedy(drafts, logits)
+        rows = logits
+    else:  # each row masked by the grammar, on demand (runtime/grammar)
+        rows = seq.constraint.rows(logits, drafts)
+        if params.greedy:
+            return accept_greedy_rows(drafts, rows)
+    p = LazyRows(lambda i: probabilities(rows[i], params))
+    return accept_sampled(drafts, pending.q[:k], p, seq.rng)

@@ -29,14 +29,7 @@ from dspark.runtime.dflash.vlb import VerifyBalancer
 from dspark.runtime.drafting.hybrid import HybridDrafter
 from dspark.runtime.drafting.lookup import LookupDrafter
 from dspark.runtime.drafting.model import ModelDrafter
-from dspark.runtime.drafting.state import DraftState
-from dspark.runtime.engine.acceptance import (
-    Acceptance,
-    LazyRows,
-    accept_greedy,
-    accept_greedy_rows,
-    accept_sampled,
-)
+from dspark.runtime.engine.acceptance import Acceptance, accept
 from dspark.runtime.engine.emit import emit
 from dspark.runtime.engine.planner import WindowPlanner
 from dspark.runtime.engine.round_plan import RoundPlan, Slot
@@ -48,7 +41,6 @@ from dspark.runtime.model.device import resolve_device
 from dspark.runtime.model.profile import warmup
 from dspark.runtime.model.runner import ModelRunner
 from dspark.runtime.sequence.request import GenerationRequest, Sequence
-from dspark.runtime.sequence.sampling import probabilities
 from dspark.runtime.sequence.validate import Limits, validate
 
 
@@ -205,7 +197,7 @@ class Engine:
             return
         pending = self.drafting.state(seq)
         sources = tuple(pending.sources[:slot.verify])
-        result = _accept(seq, pending, slot.verify, logits)
+        result = accept(seq, pending, slot.verify, logits)
         if seq.constraint is not None:
             seq.constraint.commit(result.tokens)
         seq.stats.draft_top1, seq.stats.draft_entropy = pending.confidence[:], pending.entropy[:]
@@ -299,21 +291,6 @@ class Engine:
                       {"main": [self.main], "draft": list(self.draft_models.values())},
                       {"main": [t for t in main_sizes if t < limit],
                        "draft": [t for t in draft_sizes if t < limit]})
-
-
-def _accept(seq: Sequence, pending: DraftState, k: int, logits: np.ndarray) -> Acceptance:
-    """Greedy: exact match; sampling: rejection sampling against the drafts' proposals q."""
-    params, drafts = seq.request.sampling, pending.tokens[:k]
-    if seq.constraint is None:
-        if params.greedy:
-            return accept_greedy(drafts, logits)
-        rows = logits
-    else:  # each row masked by the grammar, on demand (runtime/grammar)
-        rows = seq.constraint.rows(logits, drafts)
-        if params.greedy:
-            return accept_greedy_rows(drafts, rows)
-    p = LazyRows(lambda i: probabilities(rows[i], params))
-    return accept_sampled(drafts, pending.q[:k], p, seq.rng)
 
 
 def _model_drafter(engine: Engine, bundle: Bundle) -> ModelDrafter | None:

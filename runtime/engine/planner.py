@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from dspark.runtime.bundle.config import DFlashConfig
 from dspark.runtime.dflash.goodput import select_slots
-from dspark.runtime.dflash.policy import RoundView, WindowPolicy, make_policy
+from dspark.runtime.dflash.policies import make_policy
+from dspark.runtime.dflash.policy import RoundView, WindowPolicy
 from dspark.runtime.dflash.ras import ResourceManager
 from dspark.runtime.dflash.vlb import VerifyBalancer
 from dspark.runtime.drafting.hybrid import HybridDrafter
