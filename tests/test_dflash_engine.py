@@ -213,8 +213,8 @@ def test_hybrid_is_offered_at_least_its_min_window(compiled):
                         config=config)
         windows, plan = [], engine.planner.plan
 
-        def record(p):
-            out = plan(p)
+        def record(p, drafter):
+            out = plan(p, drafter)
             windows.extend(s.window for s in out if s.method == "hybrid")
             return out
 

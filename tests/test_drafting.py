@@ -380,3 +380,21 @@ def test_lookup_backs_off_while_it_pays_nothing():
     gaps = [b - a for a, b in zip(looked, looked[1:])]
     assert gaps[:4] == [1, 4, 8, 16] and max(gaps) == Backoff.MAX_SKIP + 1
     assert looked[-3:] == [97, 98, 99]  # a kept draft (round 63): every round again
+
+
+def test_a_backed_off_lookup_rests_on_exactly_the_skipped_rounds():
+    """resting() (the planner's plain fast path) spends the round's skip: a sequence whose
+    lookups kept nothing rests on the rounds the back-off skips and looks up on the rest;
+    pending drafts never rest."""
+    from dspark.runtime.drafting.hybrid import Backoff
+
+    hybrid, reference = _hybrid(_costs()), Backoff()
+    seq = _seq(list(range(10, 20)))  # nothing repeats: every lookup keeps nothing
+    for _ in range(40):
+        expected = not reference.ready(seq.id)
+        assert hybrid.resting(seq) == expected
+        if not expected:
+            assert hybrid.propose([(seq, "lookup", 0, 8)], keep=lambda s, j: True) == ["plain"]
+            reference.record(seq.id, kept=False)
+    hybrid.state(seq).add(3, "lookup", None, 0.9)
+    assert not hybrid.resting(seq)

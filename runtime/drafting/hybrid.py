@@ -85,6 +85,11 @@ class HybridDrafter:
             st = self.states[seq.id] = DraftState()
         return st
 
+    def resting(self, seq: Sequence) -> bool:
+        """Nothing pending and the sequence's lookups backed off this round (the round's
+        skip is spent): a lookup-only round with nothing to do."""
+        return not len(self.state(seq)) and not self.backoff.ready(seq.id)
+
     def survivals(self, seq: Sequence, count: int | None = None) -> list[float]:
         st = self.state(seq)
         n = len(st) if count is None else count

@@ -121,7 +121,7 @@ class Engine:
         self.round_log, self.method_log, self.last_verify_ms = [], [], None
         for seq in self.scheduler.admit():
             self.arena.add_sequence(seq.id)
-        plan = self.planner.plan(self.scheduler.plan_step())
+        plan = self.planner.plan(self.scheduler.plan_step(), self.drafting)
         if plan:
             t0 = time.perf_counter()
             plan = self.planner.balance(self._propose(plan), self.drafting)

@@ -3,6 +3,8 @@
     plan      method (request, else config; hybrid means lookup on a draftless bundle),
               model window = the tenant's window policy within every cap, lowered by VLB's
               batch cap; lookup cap = the lookup's max within the request/tenant caps.
+              A lookup slot whose lookups are backed off (HybridDrafter.resting) stays
+              plain: at int4 speeds the drafting path's bookkeeping alone cost ~1%.
               A hybrid slot's model window is the most the hybrid may draft; its cost
               model picks how many (0 included). Under an adaptive policy it is at least
               a floor: DWC's late window is small on a 2-core CPU (its rules scaled to the
@@ -116,13 +118,15 @@ class WindowPlanner:
             method = self.resources.row.method
         return "lookup" if method == "hybrid" and not self.has_model else method
 
-    def plan(self, plan: RoundPlan) -> RoundPlan:
+    def plan(self, plan: RoundPlan, drafter: HybridDrafter) -> RoundPlan:
         drafting = [s for s in plan if not s.seq.prefilling and s.seq.request.speculative]
         for policy in self.policies.values():
             policy.begin_round(len(drafting))
         slots = {}
         for s in drafting:
             method = self.method(s.seq)
+            if method == "lookup" and s.seq.constraint is None and drafter.resting(s.seq):
+                continue  # a plain round, with no drafting work at all
             window = 0
             if method != "lookup":
                 window = self.policy(s.seq.tenant).window(self.view(s.seq))
