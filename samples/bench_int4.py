@@ -14,11 +14,14 @@ symmetric kernel. The weights are large enough to come from memory, as in a deco
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
+from revision import revision
 
 from dspark.kernels.cpu_op import ISA_PATHS, int4_paths, op_library
 from dspark.runtime.env import kernel_cache_dir, read_env
@@ -87,6 +90,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,9")
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2")
+    ap.add_argument("--json", type=Path, help="also write the measurements here")
     args = ap.parse_args()
     init_threads()
     env = read_env()
@@ -94,6 +98,7 @@ def main() -> None:
     print(cpu_line())
     print(f"MatMulInt4 paths: {', '.join(int4_paths(library))}; {env.threads} threads; "
           f"median us of {args.repeats} interleaved runs; ratio to MatMulNBits symmetric")
+    rows_out = []
     for name, k, n, bits in SHAPES[args.shapes]:
         sessions = variants(k, n, bits, library, env.threads)
         for rows in (int(r) for r in args.rows.split(",")):
@@ -102,6 +107,12 @@ def main() -> None:
             base = us["MatMulNBits symmetric"]
             print(f"{name} {k}x{n} {bits}-bit, {rows} rows: " + ", ".join(
                 f"{v} {t:.0f} ({t / base:.2f}x)" for v, t in us.items()))
+            rows_out.append({"projection": name, "k": k, "n": n, "bits": bits, "rows": rows,
+                             "us": us})
+    if args.json:
+        report = {"cpu": cpu_line(), "revision": revision(), "threads": env.threads,
+                  "repeats": args.repeats, "rows": rows_out}
+        args.json.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 
 import peer_setup as setup
+from revision import revision
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = HERE / "prompts" / "peer_prompts.jsonl"
@@ -169,17 +170,21 @@ def summarise(runs: dict[str, list[dict]], args) -> dict:
                 "vs_best_genai": tps[system] / genai if genai else None,
                 "vs_best_llama": tps[system] / llama if llama else None,
                 "same_as_own_plain": same[system]})
-    return {"cpu": cpu_line(), "max_tokens": args.max_tokens, "repeats": args.repeats,
-            "temperature": args.temperature, "background_load": args.background_load,
+    return {"cpu": cpu_line(), "revision": revision(), "max_tokens": args.max_tokens,
+            "repeats": args.repeats, "temperature": args.temperature,
+            "background_load": args.background_load,
             "peer_hugepages": args.peer_hugepages, "rows": rows,
             "prompts": {s: [{k: x[k] for k in ("name", "class", "seconds")} | {
                 "tokens": len(x["tokens"])} for x in xs] for s, xs in runs.items()}}
 
 
 def cpu_line() -> str:
+    """The CPU's model and flags, and MatMulInt4's path when DSPARK_CPU_ISA forces one."""
+    from dspark.runtime.env import read_env
     from dspark.runtime.model.device import cpu_line as line
 
-    return line()
+    forced = read_env().cpu_isa
+    return line() + (f"; dsrun's MatMulInt4 forced to its {forced} path" if forced else "")
 
 
 def _x(value: float | None) -> str:

@@ -1,0 +1,178 @@
+"""Write docs/benchmarks.md from the benchmarks' JSON reports (build/reports/*.json).
+
+    make benchmarks       # runs every benchmark below into build/reports/, then this
+    python samples/report_benchmarks.py [--reports build/reports] [--out docs/benchmarks.md]
+
+The page holds the current figures only, each table under the command that made it and the
+CPU it ran on; a report that is missing is listed as not run. Old figures live in git. The
+README's results summary (between its RESULTS markers) is rewritten from the greedy peer run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# (report file, heading, the command that writes it, what the table shows)
+REPORTS = [
+    ("peers_greedy.json", "Against onnxruntime-genai and llama.cpp, greedy",
+     "python samples/bench_peers.py --repeats 2 --json build/reports/peers_greedy.json",
+     "tok/s per class (12 unseen prompts: 4 code, 4 chat, 4 edits; 128 new tokens), and "
+     "ratios to the system's own plain mode, to dsrun's fp32 plain decoding, to the fastest "
+     "onnxruntime-genai mode and to the fastest lossless llama.cpp mode on weights of the "
+     "same precision. `same`: every greedy output equals its own plain mode's."),
+    ("peers_sampled.json", "Against onnxruntime-genai and llama.cpp, temperature 0.7",
+     "python samples/bench_peers.py --repeats 3 --temperature 0.7 "
+     "--json build/reports/peers_sampled.json",
+     "As above, each system sampling its own outputs; the ratio to its own plain mode comes "
+     "with a 90% bootstrap interval over the (prompt, seed) pairs."),
+    ("peers_loaded.json", "With one core busy with other work",
+     "python samples/bench_peers.py --repeats 2 --background-load --systems dsrun-fp32-plain "
+     "dsrun-fp32-default dsrun-q4-plain dsrun-q4-default --json build/reports/peers_loaded.json",
+     "Another process spins on one of the two cores for the whole run: speculation must not "
+     "lose to plain decoding then either."),
+    ("int4_kernels.json", "MatMulInt4's paths against onnxruntime's MatMulNBits",
+     "python samples/bench_int4.py --json build/reports/int4_kernels.json",
+     "Microseconds per projection of SmolLM2's shapes (median of interleaved runs), each "
+     "MatMulInt4 path this CPU runs and MatMulNBits with each zero-point form; the ratio is to "
+     "MatMulNBits symmetric."),
+    ("peers_avx2.json", "dsrun on its AVX2 path",
+     "DSPARK_CPU_ISA=avx2 python samples/bench_peers.py --repeats 2 --systems dsrun-fp32-plain "
+     "dsrun-fp32-default dsrun-q4-plain dsrun-q4-default --json build/reports/peers_avx2.json",
+     "MatMulInt4 forced to its AVX2 path (what an AVX2-only CPU runs; onnxruntime's own "
+     "kernels keep the CPU's best)."),
+    ("peers_loaded_avx2.json", "dsrun on its AVX2 path, one core busy",
+     "DSPARK_CPU_ISA=avx2 python samples/bench_peers.py --repeats 2 --background-load "
+     "--systems dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default "
+     "--json build/reports/peers_loaded_avx2.json",
+     "Both at once: the AVX2 path and another process spinning on one core."),
+    ("gemma3_bench.json", "Gemma 3 270M: speculation against plain decoding",
+     "dsrun bench --model build/gemma3.dsmodel --prompts samples/prompts/base_prompts.jsonl "
+     "--repeats 2 --json > build/reports/gemma3_bench.json",
+     "The Gemma 3 sample (fp32 main, its 4-bit copy as draft, sliding windows of 512; a base "
+     "model: plain-text prompts, 4 open questions and stories, 4 functions to write)."),
+]
+
+
+def _x(v) -> str:
+    return f"{v:.2f}x" if v is not None else "-"
+
+
+def peers_table(report: dict) -> list[str]:
+    out = ["| class | system | tok/s | own plain | dsrun fp32 plain | best genai | "
+           "best llama.cpp | same |", "|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        band = r.get("vs_own_plain_90")
+        own = _x(r["vs_own_plain"]) + (f" ({band[0]:.2f}-{band[1]:.2f})" if band else "")
+        same = {True: "yes", False: "NO", None: "-"}[r["same_as_own_plain"]]
+        out.append(f"| {r['class']} | {r['system']} | {r['tps']:.1f} | {own} | "
+                   f"{_x(r['vs_dsrun_fp32_plain'])} | {_x(r['vs_best_genai'])} | "
+                   f"{_x(r['vs_best_llama'])} | {same} |")
+    return out
+
+
+def int4_table(report: dict) -> list[str]:
+    variants = list(report["rows"][0]["us"])
+    out = ["| projection | rows | " + " | ".join(variants) + " |",
+           "|---|---|" + "---|" * len(variants)]
+    for r in report["rows"]:
+        base = r["us"]["MatMulNBits symmetric"]
+        cells = [f"{r['us'][v]:.0f} ({r['us'][v] / base:.2f}x)" if v in r["us"] else "-"
+                 for v in variants]
+        out.append(f"| {r['projection']} {r['k']}x{r['n']} {r['bits']}-bit | {r['rows']} | "
+                   + " | ".join(cells) + " |")
+    return out
+
+
+def bench_table(report: dict) -> list[str]:
+    out = ["| class | plain tok/s | speculative tok/s | speed-up | accepted | c (draft/main) | "
+           "same |", "|---|---|---|---|---|---|---|"]
+    for r in report["classes"]:
+        out.append(f"| {r['class']} | {r['tps_plain']:.1f} | {r['tps_spec']:.1f} | "
+                   f"{r['speedup']:.2f}x | {r['acceptance_rate']:.2f} | {r['c']:.2f} | "
+                   f"{'yes' if r['identical'] else 'NO'} |")
+    return out
+
+
+TABLES = {"peers_greedy.json": peers_table, "peers_sampled.json": peers_table,
+          "peers_loaded.json": peers_table, "peers_avx2.json": peers_table,
+          "peers_loaded_avx2.json": peers_table,
+          "int4_kernels.json": int4_table, "gemma3_bench.json": bench_table}
+
+
+def render(folder: Path) -> str:
+    lines = ["# Benchmarks", "",
+             "Current figures, written by `samples/report_benchmarks.py` from the JSON the "
+             "benchmarks below write (`make benchmarks` runs them all). Only ratios measured "
+             "in one run mean anything: each table comes from one interleaved run on the CPU "
+             "named under it. Users' CPUs differ; a path this one lacks is unmeasured.", ""]
+    for name, heading, command, what in REPORTS:
+        lines += [f"## {heading}", "", "    " + command, ""]
+        path = folder / name
+        if not path.exists():
+            lines += ["Not run for this page.", ""]
+            continue
+        report = json.loads(path.read_text())
+        measured = f"measured at {report['revision']}" if report.get("revision") else (
+            "revision not recorded")
+        lines += [what, "", f"{report.get('cpu', 'CPU not recorded')}; {measured}", ""]
+        lines += TABLES[name](report) + [""]
+    return "\n".join(lines)
+
+
+SUMMARY = [("dsrun, fp32 main + int4 draft", "dsrun-fp32-default"),
+           ("llama.cpp, F32 GGUF, best lossless mode", "llama-f32-*"),
+           ("onnxruntime-genai, fp32, best mode", "genai-fp32-*"),
+           ("dsrun, genai's int4 build", "dsrun-genai4-default"),
+           ("onnxruntime-genai, int4", "genai-int4-plain"),
+           ("llama.cpp, Q4_1 GGUF, best lossless mode", "llama-q4_1-*")]
+START, END = "<!-- RESULTS -->", "<!-- /RESULTS -->"
+
+
+def summary(report: dict) -> list[str]:
+    """tok/s per class of SUMMARY's systems (a * takes the fastest lossless mode)."""
+    classes = sorted({r["class"] for r in report["rows"]})
+    out = ["| SmolLM2-135M, 128 new tokens, greedy | " + " | ".join(classes) + " |",
+           "|---|" + "---|" * len(classes)]
+    for label, pattern in SUMMARY:
+        cells = []
+        for cls in classes:
+            rows = [r for r in report["rows"] if r["class"] == cls
+                    and (r["system"] == pattern or pattern.endswith("*")
+                         and r["system"].startswith(pattern[:-1])
+                         and r["same_as_own_plain"] is not False)]
+            cells.append(f"{max(r['tps'] for r in rows):.0f} tok/s" if rows else "-")
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return out + ["", report["cpu"] + ". Every table, with the commands: "
+                  "[docs/benchmarks.md](docs/benchmarks.md)."]
+
+
+def rewrite_readme(readme: Path, report_path: Path) -> bool:
+    text = readme.read_text()
+    if not report_path.exists() or START not in text or END not in text:
+        return False
+    head, rest = text.split(START, 1)
+    body = "\n".join(summary(json.loads(report_path.read_text())))
+    tmp = readme.with_suffix(".tmp")
+    tmp.write_text(f"{head}{START}\n{body}\n{END}{rest.split(END, 1)[1]}")
+    tmp.rename(readme)
+    return True
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reports", type=Path, default=ROOT / "build" / "reports")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    args = p.parse_args()
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(render(args.reports))
+    tmp.rename(args.out)
+    print(f"wrote {args.out}")
+    if rewrite_readme(ROOT / "README.md", args.reports / "peers_greedy.json"):
+        print("rewrote the README's results")
+
+
+if __name__ == "__main__":
+    main()
