@@ -36,11 +36,12 @@
    own int8 noise); but each row of x is computed alone and the same way whatever rows come
    with it, so a main's verify window scores each position exactly as decoding it would.
 
-   Paths: the plain loops here, and x86 vector paths (cpu_int4_x86.c: AVX2, AVX-VNNI,
-   AVX-512, AVX-512 VNNI), each built for its own instruction set and chosen at run time by
-   what the CPU reports (the best, or the one the attribute `isa` names: 0 generic, 1 avx2,
-   2 avx_vnni, 3 avx512, 4 avx512_vnni; one the CPU lacks is refused). All compute the same
-   blocks in the same order and give the same bits. */
+   Paths: the plain loops here, x86 vector paths (cpu_int4_x86.c: AVX2, AVX-VNNI, AVX-512,
+   AVX-512 VNNI) and an aarch64 one (cpu_int4_arm.c: NEON with the dot product), each built
+   for its own instruction set and chosen at run time by what the CPU reports (the best, or
+   the one the attribute `isa` names: 0 generic, 1 avx2, 2 avx_vnni, 3 avx512, 4 avx512_vnni,
+   5 neon_dotprod; one the CPU lacks is refused). All compute the same blocks in the same
+   order and give the same bits. */
 
 #include <math.h>
 #include <stdlib.h>
@@ -128,7 +129,7 @@ static void group_plain(const Int4Call *c, int64_t g) {
 int dspark_int4_paths(void) {
   int paths = 1 << ISA_GENERIC;
   for (int isa = ISA_GENERIC + 1; isa < ISA_COUNT; isa++)
-    if (int4_x86_supported(isa)) paths |= 1 << isa;
+    if (int4_x86_supported(isa) || int4_arm_supported(isa)) paths |= 1 << isa;
   return paths;
 }
 
@@ -142,7 +143,9 @@ static int best_path(void) {
 
 /* Groups g0 .. g1-1 on path `isa` (one this CPU runs). */
 static void run_groups(int isa, const Int4Call *c, int64_t g0, int64_t g1) {
-  if (isa != ISA_GENERIC && int4_groups_x86(isa, c, g0, g1)) return;
+  if (isa != ISA_GENERIC &&
+      (int4_groups_x86(isa, c, g0, g1) || int4_groups_arm(isa, c, g0, g1)))
+    return;
   for (int64_t g = g0; g < g1; g++) group_plain(c, g);
 }
 

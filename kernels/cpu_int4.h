@@ -1,7 +1,7 @@
 /* MatMulInt4's shared definitions: the packed layout, one call's view, and its paths.
 
-   The paths (cpu_int4.c: plain loops; cpu_int4_x86.c: x86 vector paths, each compiled for
-   its own instruction set and chosen at run time by what the CPU has) compute the same
+   The paths (cpu_int4.c: plain loops; cpu_int4_x86.c and cpu_int4_arm.c: vector paths, each
+   compiled for its own instruction set and chosen at run time by what the CPU has) compute the same
    blocks in the same order: every block's dot product is exact in int32, and the float
    steps are the same multiply-adds, so all paths give the same bits. */
 
@@ -19,7 +19,8 @@ enum {
   ISA_AVX_VNNI = 2,    /* + AVX-VNNI: vpdpbusd on 8 rows a vector */
   ISA_AVX512 = 3,      /* AVX-512 F/BW/VL: maddubs/madd on 16 rows a vector */
   ISA_AVX512_VNNI = 4, /* + AVX-512 VNNI: vpdpbusd on 16 rows a vector */
-  ISA_COUNT = 5
+  ISA_NEON_DOTPROD = 5, /* aarch64 NEON + the dot product (ARMv8.2): sdot on 4 rows a vector */
+  ISA_COUNT = 6
 };
 
 /* One call: x quantized (x8 [rows, K] int8, sx [rows, K/32] its scales, zx [rows, K/32] each
@@ -47,5 +48,8 @@ static inline int32_t zero_point(int64_t bits, int64_t mins) {
 int int4_groups_x86(int isa, const Int4Call *c, int64_t g0, int64_t g1);
 /* Whether this CPU runs an x86 path (0 for the others and off x86). */
 int int4_x86_supported(int isa);
+/* The same for the aarch64 path (cpu_int4_arm.c). */
+int int4_groups_arm(int isa, const Int4Call *c, int64_t g0, int64_t g1);
+int int4_arm_supported(int isa);
 
 #endif

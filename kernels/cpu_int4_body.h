@@ -1,15 +1,20 @@
-/* One x86 path of MatMulInt4, included by cpu_int4_x86.c once per instruction set with:
+/* One vector path of MatMulInt4, included once per instruction set (cpu_int4_x86.c,
+   cpu_int4_arm.c) with:
 
      NAME(x)      the path's function names          TARGET   its target attribute
-     W            int32 lanes a vector (16 or 8)     VNNI     1: vpdpbusd, 0: maddubs + madd
-     VI, VF       its integer and float vector types
+     W            int32 lanes a vector (16, 8 or 4)  VNNI     1: a 4-byte dot instruction
+     VI, VF       its integer and float vector types          (vpdpbusd, sdot), 0: maddubs + madd
+     SPLIT8       1 where the dot instruction multiplies signed bytes (sdot): 8-bit weights
+                  go in nibbles, as without VNNI
+     PREFETCH_T0  a prefetch into the first-level cache
      and the operations below (LOADU, AND, SRLI16, ...) spelled in its intrinsics.
 
-   A group's 16 rows take 16 / W vectors ("halves"); per block and half the weights are loaded
-   (and at 4 bits unpacked) once for up to GROUP rows of x. The block's dot product is exact
-   in int32 either way: vpdpbusd sums four u8 x s8 products into int32; without it maddubs
-   sums pairs into int16 (at most 2 * 15 * 127 = 3810 each, eight of them 30480 < 2^15: no
-   saturation, 8-bit weights split in nibbles) and madd widens them. */
+   A group's 16 rows take 16 / W vectors ("halves", quarters at 4 lanes); per block and half
+   the weights are loaded (and at 4 bits unpacked) once for up to GROUP rows of x. The block's
+   dot product is exact in int32 every way: vpdpbusd sums four u8 x s8 products into int32,
+   sdot four s8 x s8 (a 4-bit weight or a nibble, 0..15, is a valid s8); without either,
+   maddubs sums pairs into int16 (at most 2 * 15 * 127 = 3810 each, eight of them 30480 <
+   2^15: no saturation, 8-bit weights split in nibbles) and madd widens them. */
 
 static inline TARGET VI NAME(bcast4)(const int8_t *p) {
   int32_t v;
@@ -18,20 +23,24 @@ static inline TARGET VI NAME(bcast4)(const int8_t *p) {
 }
 
 /* The block's dot products for one row of x (its 32 int8 inputs xb) against the unpacked
-   weights q[8] (at 8 bits without VNNI: low nibbles q[8], high nibbles hi[8]). */
+   weights q[8] (at 8 bits without VNNI or with SPLIT8: low nibbles q[8], high ones hi[8]). */
 static inline __attribute__((always_inline)) TARGET VI NAME(dot)(const VI *q, const VI *hi,
                                                                  const int8_t *xb,
                                                                  const int BITS) {
 #if VNNI
-  (void)hi;
-  (void)BITS;
-  /* two chains of four: vpdpbusd's latency, not its rate, would bound one of eight */
+  /* two chains of four: the dot instruction's latency, not its rate, would bound one of eight */
   VI d0 = SETZERO_I(), d1 = SETZERO_I();
   for (int v = 0; v < 8; v += 2) {
     d0 = DPBUSD(d0, q[v], NAME(bcast4)(xb + 4 * v));
     d1 = DPBUSD(d1, q[v + 1], NAME(bcast4)(xb + 4 * v + 4));
   }
-  return ADD_I32(d0, d1);
+  if (!SPLIT8 || BITS == 4) return ADD_I32(d0, d1);
+  VI h0 = SETZERO_I(), h1 = SETZERO_I();
+  for (int v = 0; v < 8; v += 2) {
+    h0 = DPBUSD(h0, hi[v], NAME(bcast4)(xb + 4 * v));
+    h1 = DPBUSD(h1, hi[v + 1], NAME(bcast4)(xb + 4 * v + 4));
+  }
+  return ADD_I32(ADD_I32(d0, d1), SLLI32(ADD_I32(h0, h1), 4));
 #else
   /* two chains of four again (int16 sums of four products stay within 4 * 3810) */
   const VI ones = SET1_I16(1);
@@ -70,7 +79,7 @@ static inline __attribute__((always_inline)) TARGET void NAME(half_block)(
   } else {
     for (int v = 0; v < 8; v++) {
       q[v] = LOADU(rec + 64 * v + 4 * W * h);
-      if (!VNNI) {
+      if (!VNNI || SPLIT8) {
         hi[v] = AND(SRLI16(q[v], 4), low);
         q[v] = AND(q[v], low);
       }
@@ -108,8 +117,7 @@ static inline __attribute__((always_inline)) TARGET void NAME(store)(
 
 static inline __attribute__((always_inline)) TARGET void NAME(prefetch)(const uint8_t *rec,
                                                                          int64_t record) {
-  for (int64_t o = 0; o < record; o += 64)
-    _mm_prefetch((const char *)rec + PREFETCH + o, _MM_HINT_T0);
+  for (int64_t o = 0; o < record; o += 64) PREFETCH_T0(rec + PREFETCH + o);
 }
 
 /* Rows r0 .. r0+R-1 of x against group g. One row: both halves in one pass over the
@@ -159,7 +167,7 @@ static inline __attribute__((always_inline)) TARGET void NAME(groups_of)(
 
 static TARGET void NAME(groups)(const Int4Call *c, int64_t g0, int64_t g1) {
   const uint8_t *start = c->w + g0 * (c->k / BLOCK * record_bytes(c->bits, c->mins));
-  for (int64_t o = 0; o < PREFETCH; o += 64) _mm_prefetch((const char *)(start + o), _MM_HINT_T0);
+  for (int64_t o = 0; o < PREFETCH; o += 64) PREFETCH_T0(start + o);
   if (c->bits == 4 && !c->mins) NAME(groups_of)(c, g0, g1, 4, 0);
   else if (c->bits == 4) NAME(groups_of)(c, g0, g1, 4, 1);
   else if (!c->mins) NAME(groups_of)(c, g0, g1, 8, 0);

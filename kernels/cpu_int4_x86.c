@@ -41,6 +41,8 @@
 #define FMADD(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define STOREU_F(p, v) _mm512_storeu_ps(p, v)
 #define LOAD_HALVES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define PREFETCH_T0(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#define SPLIT8 0
 
 #define NAME(x) avx512_vnni_##x
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))

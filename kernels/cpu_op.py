@@ -27,14 +27,16 @@ log = logging.getLogger("dspark.kernels")
 
 HERE = Path(__file__).resolve().parent
 # the library: SpeculativeVerify (cpu_op.c, which registers both ops) and MatMulInt4 (its
-# plain loops and op, and its x86 vector paths)
-SOURCES = (HERE / "cpu_op.c", HERE / "cpu_int4.c", HERE / "cpu_int4_x86.c")
+# plain loops and op, its x86 and aarch64 vector paths)
+SOURCES = (HERE / "cpu_op.c", HERE / "cpu_int4.c", HERE / "cpu_int4_x86.c",
+           HERE / "cpu_int4_arm.c")
 HEADERS = (HERE / "ort_abi.h", HERE / "cpu_int4.h", HERE / "cpu_int4_body.h")
 # MatMulInt4 picks its path at run time, each compiled for its own instruction set: on
 # x86-64 its files take a baseline every such CPU has instead of -march=native, so its
 # AVX2 path is AVX2 code on this CPU too (its tests run every path the CPU has)
-ISA_PATHS = ("generic", "avx2", "avx_vnni", "avx512", "avx512_vnni")  # cpu_int4.h, in order
-PORTABLE = {"cpu_int4.c", "cpu_int4_x86.c"}
+ISA_PATHS = ("generic", "avx2", "avx_vnni", "avx512", "avx512_vnni",
+             "neon_dotprod")  # cpu_int4.h, in order
+PORTABLE = {"cpu_int4.c", "cpu_int4_x86.c", "cpu_int4_arm.c"}
 BASELINE = ("-march=x86-64-v2", "-mtune=native")
 # Two builds, the first that links wins:
 #   compiled with -ffast-math, linked without it, with glibc's vector math library: the dot
@@ -128,7 +130,8 @@ def _flags(compile_flags: tuple[str, ...], source: Path) -> list[str]:
 @functools.cache
 def int4_paths(library: Path) -> tuple[str, ...]:
     """The MatMulInt4 paths this CPU runs, best last ("generic": the plain loops, slower
-    than onnxruntime's MatMulNBits; the others are vector paths, cpu_int4_x86.c)."""
+    than onnxruntime's MatMulNBits; the others are vector paths, cpu_int4_x86.c and
+    cpu_int4_arm.c)."""
     import ctypes
 
     try:

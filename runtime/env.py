@@ -22,8 +22,8 @@ class RuntimeEnv:
     cpu_op: bool  # DSPARK_CPU_OP=0: run CPU models as segments, not one session with our op
     cpu_int4: bool  # DSPARK_CPU_INT4=0: keep the models' MatMulNBits (no MatMulInt4)
     cc: str  # CC: the C compiler that builds the CPU op
-    # DSPARK_CPU_ISA: MatMulInt4's path (generic, avx2, avx_vnni, avx512, avx512_vnni);
-    # None: the best the CPU runs
+    # DSPARK_CPU_ISA: MatMulInt4's path (generic, avx2, avx_vnni, avx512, avx512_vnni,
+    # neon_dotprod); None: the best the CPU runs
     cpu_isa: str | None = None
 
     def __post_init__(self) -> None:

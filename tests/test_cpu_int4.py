@@ -123,6 +123,7 @@ def test_this_cpu_runs_the_paths_its_flags_name(library):
     avx512 = avx2 and {"avx512f", "avx512bw", "avx512vl"} <= flags
     want += ["avx2"] * avx2 + ["avx_vnni"] * (avx2 and "avx_vnni" in flags)
     want += ["avx512"] * avx512 + ["avx512_vnni"] * (avx512 and "avx512_vnni" in flags)
+    want += ["neon_dotprod"] * ("asimddp" in flags)  # aarch64's /proc/cpuinfo Features
     assert list(int4_paths(library)) == want
 
 
