@@ -170,7 +170,7 @@ def summarise(runs: dict[str, list[dict]], args) -> dict:
                 "vs_best_genai": tps[system] / genai if genai else None,
                 "vs_best_llama": tps[system] / llama if llama else None,
                 "same_as_own_plain": same[system]})
-    return {"cpu": cpu_line(), "revision": revision(), "max_tokens": args.max_tokens,
+    return {"cpu": cpu_line(), "revision": args.revision, "max_tokens": args.max_tokens,
             "repeats": args.repeats, "temperature": args.temperature,
             "background_load": args.background_load,
             "peer_hugepages": args.peer_hugepages, "rows": rows,
@@ -228,6 +228,7 @@ def main() -> None:
         return
     prompts = prompt_ids(args.prompt_file)
     os.environ["DSPARK_PEER_PROMPTS"] = json.dumps(prompts)
+    args.revision = revision()  # what the workers run, before anything can change it
     report = summarise(drive(args, len(prompts)), args)
     print(format_report(report))
     if args.json:
