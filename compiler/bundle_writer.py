@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dspark.runtime.bundle.bundle import MANIFEST_FILE, dump_json, file_entry
+from dspark.runtime.bundle.manifest import Manifest
 from dspark.runtime.errors import DSparkError
 
 
@@ -53,9 +54,9 @@ def list_files(root: Path) -> dict[str, dict]:
             for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE}
 
 
-def publish(tmp: Path, out: Path, manifest: dict) -> None:
+def publish(tmp: Path, out: Path, manifest: Manifest) -> None:
     """Write the manifest last, then swap the finished bundle into place."""
-    (tmp / MANIFEST_FILE).write_bytes(dump_json(manifest))
+    (tmp / MANIFEST_FILE).write_bytes(dump_json(manifest.to_dict()))
     os.chmod(tmp, 0o755)
     old = None
     if out.exists():

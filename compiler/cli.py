@@ -67,11 +67,12 @@ def compile_cmd(main: Path, draft: Path | None, out: Path, tokenizer: Path | Non
     progress = Progress()
     manifest = compile_bundle(opts, progress)
     if as_json:
-        click.echo(json.dumps({"bundle": str(out), "timings_s": progress.timings, **manifest},
+        click.echo(json.dumps({"bundle": str(out), "timings_s": progress.timings,
+                               **manifest.to_dict()},
                               indent=2, sort_keys=True))
     else:
-        size = sum(e["size"] for e in manifest["files"].values())
-        click.echo(f"wrote {out} ({len(manifest['files'])} files, {size / 2**20:.1f} MiB) in "
+        size = manifest.total_bytes
+        click.echo(f"wrote {out} ({len(manifest.files)} files, {size / 2**20:.1f} MiB) in "
                    f"{sum(progress.timings.values()):.1f}s")
 
 

@@ -22,6 +22,7 @@ from dspark.compiler.tokenizer.gate import draft_tokenizer, resolve_token_map
 from dspark.runtime.bundle.bundle import MEMORY_PLAN_FILE, TOKENIZER_DIR, dump_json
 from dspark.runtime.bundle.config import CONFIG_FILE, CONFIG_SCHEMA_FILE, DFlashConfig
 from dspark.runtime.bundle.config_schema import config_schema
+from dspark.runtime.bundle.manifest import Manifest
 from dspark.runtime.bundle.memory_plan import plan_memory
 from dspark.runtime.bundle.token_map import TOKEN_MAP_FILE, TokenMap
 from dspark.runtime.errors import DSparkError, ModelInputError
@@ -127,7 +128,7 @@ def _check_map(mapping: TokenMap, opts: CompileOptions, vocab: dict[str, int]) -
                           f"and {vocab['main']}")
 
 
-def compile_bundle(opts: CompileOptions, progress: Progress) -> dict:
+def compile_bundle(opts: CompileOptions, progress: Progress) -> Manifest:
     """Compile and publish the bundle; returns the manifest."""
     contracts, tokenizer, mapping = check_inputs(opts)
     with tempfile.TemporaryDirectory(prefix="dsc-") as work, staged_bundle(opts.out) as tmp:
@@ -135,6 +136,8 @@ def compile_bundle(opts: CompileOptions, progress: Progress) -> dict:
                                   opts.lean) for r in opts.roles}
         specs = {r: spec for r, (spec, _) in built.items()}
         vocab = {r: s.vocab_size for r, s in specs.items()}
+        # checked before the build where the logits' dim is static; here for the rest (a
+        # symbolic dim, resolved from the weights)
         for role in (r for r in opts.roles[1:] if opts.vocab_checked(r)):
             _check_vocab({"main": opts.main, "draft": opts.model_path(role)},
                          {"main": vocab["main"], "draft": vocab[role]})
@@ -150,19 +153,16 @@ def compile_bundle(opts: CompileOptions, progress: Progress) -> dict:
         tokenizer_files = _write_tokenizer(tokenizer, tmp, vocab["main"])
         (tmp / CONFIG_FILE).write_bytes(dump_json(DFlashConfig().to_dict()))
         (tmp / CONFIG_SCHEMA_FILE).write_bytes(dump_json(config_schema()))
-        manifest = {
-            "format_version": BUNDLE_FORMAT_VERSION,
-            "compiler": {"name": "dsc", "version": __version__},
-            "inputs": {r: _digest(contracts[r]) for r in opts.roles},
-            "flags": opts.flags(),
-            "models": {r: s.to_dict() for r, s in specs.items()},
-            "stage1": {r: report for r, (_, report) in built.items()},
-            "tokenizer": tokenizer_files,
-            "token_map": TOKEN_MAP_FILE if mapping is not None else None,
-            "kernels": {"mode": kernels["mode"], "archs": kernels["archs"],
-                        "triton": kernels.get("triton"), "reason": kernels.get("reason")},
-            "files": list_files(tmp),
-        }
+        manifest = Manifest(
+            format_version=BUNDLE_FORMAT_VERSION,
+            compiler={"name": "dsc", "version": __version__},
+            inputs={r: _digest(contracts[r]) for r in opts.roles}, flags=opts.flags(),
+            models=specs, files=list_files(tmp),
+            stage1={r: report for r, (_, report) in built.items()},
+            tokenizer=tuple(tokenizer_files),
+            token_map=TOKEN_MAP_FILE if mapping is not None else None,
+            kernels={"mode": kernels["mode"], "archs": kernels["archs"],
+                     "triton": kernels.get("triton"), "reason": kernels.get("reason")})
         publish(tmp, opts.out, manifest)
     return manifest
 

@@ -9,19 +9,19 @@ from dspark.runtime.bundle.spec import ModelSpec
 def inspect_dict(bundle: Bundle) -> dict:
     return {
         "bundle": str(bundle.root),
-        "format_version": bundle.manifest["format_version"],
-        "compiler": bundle.manifest["compiler"],
-        "inputs": bundle.manifest["inputs"],
-        "flags": bundle.manifest["flags"],
+        "format_version": bundle.manifest.format_version,
+        "compiler": bundle.manifest.compiler,
+        "inputs": bundle.manifest.inputs,
+        "flags": bundle.manifest.flags,
         "models": {r: _model_summary(bundle.models[r]) for r in sorted(
             bundle.models, key=lambda r: (r != "main", r != "draft", r))},
         "memory_plan": bundle.plan.to_dict(),
         "config": bundle.config.to_dict(),
-        "kernels": bundle.manifest.get("kernels", {}),
-        "stage1": bundle.manifest.get("stage1", {}),
-        "tokenizer": bundle.manifest.get("tokenizer", []),
-        "files": len(bundle.manifest["files"]),
-        "bytes": sum(e["size"] for e in bundle.manifest["files"].values()),
+        "kernels": bundle.manifest.kernels,
+        "stage1": bundle.manifest.stage1,
+        "tokenizer": list(bundle.manifest.tokenizer),
+        "files": len(bundle.manifest.files),
+        "bytes": bundle.manifest.total_bytes,
     }
 
 

@@ -115,7 +115,7 @@ def test_flags_change_the_plan_and_are_recorded(fixture_pairs, tmp_path):
                       + bundle.model("draft").kv_bytes_per_token)
     assert plan.num_blocks == 8 * 2**20 // per_block
     assert plan.max_seqs == plan.num_blocks // 10  # ceil(300 / 32) blocks per sequence
-    assert bundle.manifest["flags"] == {"block_size": 32, "kv_budget_mb": 8, "max_seq_len": 300,
+    assert bundle.manifest.flags == {"block_size": 32, "kv_budget_mb": 8, "max_seq_len": 300,
                                         "extra_drafts": [], "lean": True}
 
 

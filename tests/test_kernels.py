@@ -174,7 +174,7 @@ def test_bundle_carries_cubins_per_arch(compiled):
     bundle = open_bundle(compiled[("llama", "classic")])
     index = bundle.kernels
     assert index["mode"] == "aot" and index["archs"] == ["sm_80", "sm_90"]
-    assert bundle.manifest["kernels"]["archs"] == ["sm_80", "sm_90"]
+    assert bundle.manifest.kernels["archs"] == ["sm_80", "sm_90"]
     [entry] = index["specs"].values()  # main and draft share one geometry
     assert sorted(entry["roles"]) == ["draft", "main"]
     for arch in ("sm_80", "sm_90"):
@@ -199,7 +199,7 @@ def test_toolchain_failure_leaves_a_jit_only_bundle(fixture_pairs, tmp_path, cap
     monkeypatch.setattr(kernel_stage, "ARCHS", (20,))
     r = run_dsc(capsys, "compile", str(main), str(draft), "-o", str(tmp_path / "a.dsmodel"))
     assert r.code == 0 and "kernels: JIT-only bundle (Triton cannot compile" in r.err
-    kernels = open_bundle(tmp_path / "a.dsmodel").manifest["kernels"]
+    kernels = open_bundle(tmp_path / "a.dsmodel").manifest.kernels
     assert kernels["mode"] == "jit-only" and kernels["archs"] == []
     assert "Triton cannot compile for CUDA here" in kernels["reason"]
     r = run_dsc(capsys, "compile", str(main), str(draft), "-o", str(tmp_path / "b.dsmodel"),

@@ -50,7 +50,7 @@ TOKEN_ROW_PAIRS = [p for p in PAIRS if p != ("gemma3", "dynamo")]
 def test_gemma_q_k_norm_lets_the_rotary_fuse(compiled, form):
     """Each q/k norm runs before the head transpose, so every rotary fuses (2 per layer)."""
     bundle = open_bundle(compiled[("gemma3", form)])
-    report = bundle.manifest["stage1"]["main"]["passes"]
+    report = bundle.manifest.stage1["main"]["passes"]
     assert report["transposes_sunk"] == 2 * 6 and report["rotary_fused"] == 2 * 6
     assert report["rotary_unfused"] == 0
 
@@ -186,7 +186,7 @@ def test_no_lean_compiles_the_graph_as_exported_with_the_same_output(fixture_pai
     main, draft = fixture_pairs[("llama", "classic")]
     out = tmp_path / "plain.dsmodel"
     manifest = compile_bundle(CompileOptions(main, draft, out, lean=False), Progress(quiet=True))
-    assert manifest["flags"]["lean"] is False
+    assert manifest.flags["lean"] is False
     ops = segment_ops(out)
     assert {"Shape", "Neg"} <= ops.keys() and "RotaryEmbedding" not in ops
     request = GenerationRequest((3, 1, 4, 1, 5), 24, method="draft")
@@ -271,10 +271,10 @@ def test_a_tied_head_reads_the_embedding_table(compiled, form):
     """gemma3's head is its embedding transposed: stored once, read through Gemm(transB);
     llama's is its own matrix (tie_word_embeddings=False) and stays."""
     tied = open_bundle(compiled[("gemma3", form)])
-    assert tied.manifest["stage1"]["main"]["passes"]["tied_head_shared"] == 1
+    assert tied.manifest.stage1["main"]["passes"]["tied_head_shared"] == 1
     graph = onnx.load(str(tied.path(tied.model("main").graph_file)), load_external_data=False)
     shapes = [tuple(t.dims) for t in graph.graph.initializer]
     assert shapes.count((320, 64)) == 1 and (64, 320) not in shapes
     assert any(n.op_type == "Gemm" for n in graph.graph.node)
     untied = open_bundle(compiled[("llama", form)])
-    assert untied.manifest["stage1"]["main"]["passes"]["tied_head_shared"] == 0
+    assert untied.manifest.stage1["main"]["passes"]["tied_head_shared"] == 0

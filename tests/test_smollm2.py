@@ -27,7 +27,7 @@ def test_sample_bundle(smollm2_bundle):
         assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (30, 9, 3, 64)
         assert spec.vocab_size == 49152 and len(spec.segments) == 31
     assert bundle.tokenizer_dir is not None
-    assert "chat_template.jinja" in bundle.manifest["tokenizer"]
+    assert "chat_template.jinja" in bundle.manifest.tokenizer
 
 
 def test_sample_bundle_verifies(smollm2_pair, smollm2_bundle):

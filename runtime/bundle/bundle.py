@@ -20,6 +20,7 @@ from pathlib import Path
 
 from dspark.kernels.spec import KernelSpec
 from dspark.runtime.bundle.config import CONFIG_FILE, DFlashConfig, load_config
+from dspark.runtime.bundle.manifest import Manifest
 from dspark.runtime.bundle.memory_plan import MemoryPlan
 from dspark.runtime.bundle.spec import ModelSpec
 from dspark.runtime.bundle.token_map import TokenMap
@@ -53,10 +54,13 @@ def file_entry(path: Path) -> dict:
 @dataclass(frozen=True)
 class Bundle:
     root: Path
-    manifest: dict
-    models: dict[str, ModelSpec]
+    manifest: Manifest
     plan: MemoryPlan
     config: DFlashConfig
+
+    @property
+    def models(self) -> dict[str, ModelSpec]:
+        return self.manifest.models
 
     def path(self, rel: str) -> Path:
         return self.root / rel
@@ -67,7 +71,7 @@ class Bundle:
     @property
     def token_map(self) -> TokenMap | None:
         """The draft->main map of the default draft, when its tokenizer differs."""
-        name = self.manifest.get("token_map")
+        name = self.manifest.token_map
         if not name:
             return None
         return TokenMap.load(self.root / name, self.models["draft"].vocab_size,
@@ -76,7 +80,7 @@ class Bundle:
     @property
     def draft_models(self) -> dict[str, int]:
         """Draft roles ("draft", "draft_<name>") with their weight bytes."""
-        files = self.manifest["files"]
+        files = self.manifest.files
         return {r: files.get(s.weights_file, {}).get("size", 0)
                 for r, s in self.models.items() if r.startswith("draft")}
 
@@ -100,7 +104,7 @@ class Bundle:
         return d if (d / "tokenizer.json").is_file() else None
 
 
-def _read_manifest(root: Path) -> dict:
+def _read_manifest(root: Path) -> Manifest:
     path = root / MANIFEST_FILE
     if not root.exists():
         raise BundleError(f"{root}: no such bundle")
@@ -118,7 +122,7 @@ def _read_manifest(root: Path) -> dict:
             f"{path}: bundle format version {version!r}, this runtime reads "
             f"{BUNDLE_FORMAT_VERSION}; recompile with this dsc"
         )
-    return manifest
+    return Manifest.from_dict(manifest, str(path))
 
 
 def _contain(root: Path, files: dict) -> None:
@@ -159,17 +163,12 @@ def open_bundle(path: str | Path, verify: bool = True, config_path: str | Path |
     """Load a bundle, checking format version and (by default) every immutable file's hash."""
     root = Path(path)
     manifest = _read_manifest(root)
-    try:
-        files = manifest["files"]
-        models = {role: ModelSpec.from_dict(d) for role, d in manifest["models"].items()}
-    except (KeyError, TypeError, ValueError) as e:
-        raise BundleError(f"{root / MANIFEST_FILE}: malformed manifest ({e!r})") from None
-    _contain(root, files)
+    _contain(root, manifest.files)
     if verify:
-        _verify_files(root, files)
+        _verify_files(root, manifest.files)
     try:
         plan = MemoryPlan.from_dict(json.loads((root / MEMORY_PLAN_FILE).read_text()))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise BundleError(f"{root / MEMORY_PLAN_FILE}: unreadable memory plan ({e!r})") from None
     config = load_config(config_path or root / CONFIG_FILE)
-    return Bundle(root, manifest, models, plan, config)
+    return Bundle(root, manifest, plan, config)
