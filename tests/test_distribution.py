@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import dspark.runtime.engine.engine as engine_mod
+import dspark.runtime.engine.acceptance as acceptance_mod
 from dspark.compiler.reference import OriginalModel
 from dspark.runtime.bundle.bundle import open_bundle
 from dspark.runtime.bundle.config import DFlashConfig, VerifyBalanceConfig
@@ -89,7 +89,7 @@ def _broken(drafts, q, p, rng) -> Acceptance:
 @pytest.mark.slow
 def test_broken_rule_is_detected(setup, monkeypatch):
     bundle, prompt, first, p = setup
-    monkeypatch.setattr(engine_mod, "accept_sampled", _broken)
+    monkeypatch.setattr(acceptance_mod, "accept_sampled", _broken)
     pvalue = chi_square(_second_tokens(bundle, prompt, first), p)
     print(f"chi-square p-value (broken rule): {pvalue:.3g}")
     assert pvalue < 1e-6
