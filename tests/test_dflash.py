@@ -31,7 +31,7 @@ from dspark.runtime.sequence.stats import SeqStats
 def _view(generated, prompt=2000, top1=(), entropy=(), cap=8, seq=0, window=0, accepted=0):
     stats = SeqStats(draft_top1=list(top1), draft_entropy=list(entropy), last_window=window,
                      last_accepted=accepted)
-    return RoundView(seq, "default", prompt, generated, stats, cap)
+    return RoundView(seq, "default", prompt, generated, stats, cap, tuple(top1))
 
 
 CERTAIN = dict(top1=(0.97, 0.96, 0.97, 0.95), entropy=(0.3, 0.4, 0.3, 0.35))  # flat, peaked

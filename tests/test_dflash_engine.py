@@ -120,21 +120,21 @@ def test_config_hot_reload_under_a_running_engine(compiled, fixture_pairs, tmp_p
     path = tmp_path / "dflash_config.json"
     path.write_text(json.dumps(bundle.config.to_dict()))
     engine = Engine(bundle, "dflash")
-    engine.watch_config(path)
+    watcher = engine.watch(path)
     seq = engine.submit(GenerationRequest((1, 2, 3), 60, method="draft"))
     for _ in range(5):
         engine.step()
     data = bundle.config.to_dict()
     data["window"].update(max_window=2, initial=2)
     path.write_text(json.dumps(data))
-    engine.watcher.requested = True  # as SIGHUP does; mtime polling also sees it
+    watcher.requested = True  # as SIGHUP does; mtime polling also sees it
     engine.step()
-    assert engine.config.window.max_window == 2 and engine.watcher.reloads["ok"] == 1
+    assert engine.config.window.max_window == 2 and dict(engine.gauges().reloads)["ok"] == 1
     data["window"]["max_window"] = 99
     path.write_text(json.dumps(data))
-    engine.watcher.requested = True
+    watcher.requested = True
     engine.step()
-    assert engine.config.window.max_window == 2 and engine.watcher.reloads["error"] == 1
+    assert engine.config.window.max_window == 2 and dict(engine.gauges().reloads)["error"] == 1
     while engine.busy:
         engine.step()
     assert seq.stats.last_window <= 2

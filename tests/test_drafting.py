@@ -16,7 +16,7 @@ from dspark.runtime.dflash.source import (
     PRIOR_WEIGHT,
     SourceChooser,
 )
-from dspark.runtime.drafting.base import DraftWork
+from dspark.runtime.drafting.base import DraftJob, DraftWork
 from dspark.runtime.drafting.hybrid import HybridDrafter
 from dspark.runtime.drafting.lookup import LookupDrafter, MatchStats
 from dspark.runtime.drafting.model import ModelDrafter
@@ -109,16 +109,15 @@ def test_model_drafter_rereads_the_last_token_when_dropped_drafts_were_all_it_la
     needs the last one's logits. It re-reads that token (once a timing-dependent crash:
     "a batch needs at least one token per sequence")."""
     runner = FakeRunner()
-    drafter = ModelDrafter({"draft": runner}, FakeArena(), "draft", {}, lambda: 64,
-                           lambda seq: 1000)
+    drafter = ModelDrafter({"draft": runner}, FakeArena(), "draft", {})
     seq, state = _seq(list(range(1, 11))), DraftState()
     state.add(11, "lookup")
     state.add(12, "lookup")
-    drafter.propose([DraftWork(seq, state, 3)])
+    drafter.propose([DraftWork(seq, state, 3, room=1000, catch_up=64)])
     assert runner.chunks[-1] == [(seq.id, 0, list(range(1, 13)))] and state.tokens[-1] == 7
     state.clear()
     drafter.trim(seq, len(seq.tokens))
-    drafter.propose([DraftWork(seq, state, 2)])
+    drafter.propose([DraftWork(seq, state, 2, room=1000, catch_up=64)])
     assert runner.chunks[-2] == [(seq.id, 9, [10])]
     assert runner.chunks[-1] == [(seq.id, 10, [7])] and state.tokens == [7, 7]
 
@@ -187,6 +186,14 @@ class FakeModel:
         pass
 
 
+def _keep(seq, drafted):
+    return True
+
+
+def _sources(proposed):
+    return [p.source for p in proposed]
+
+
 def _hybrid(costs, model=None):
     return HybridDrafter(LookupDrafter(LookupConfig()), model,
                          SourceChooser(DraftingConfig(explore_every=1000), costs))
@@ -196,7 +203,7 @@ def test_hybrid_keeps_plain_when_the_draft_model_does_not_pay():
     model = FakeModel(cached=10)
     hybrid = _hybrid(_costs(draft_ms=40.0), model)  # a draft step dearer than a main step
     seq = _seq(list(range(10, 20)))  # nothing repeats: no lookup proposal
-    assert hybrid.propose([(seq, "hybrid", 4, 8)], keep=lambda s, j: True) == ["plain"]
+    assert _sources(hybrid.propose([DraftJob(seq, "hybrid", 4, 8)], keep=_keep)) == ["plain"]
     assert model.asked == []
 
 
@@ -222,11 +229,11 @@ def test_hybrid_drafts_with_a_cheap_model_and_prefers_a_strong_lookup():
     model = FakeModel(cached=10)
     hybrid = _hybrid(_costs(draft_ms=3.0), model)
     seq = _seq(list(range(10, 20)))
-    assert hybrid.propose([(seq, "hybrid", 4, 8)], keep=lambda s, j: True) == ["draft"]
+    assert _sources(hybrid.propose([DraftJob(seq, "hybrid", 4, 8)], keep=_keep)) == ["draft"]
     hybrid.release(seq)
     repeated = _seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4], seq_id=2)  # a 4-gram match
     model.cached_len = len(repeated.tokens)
-    used = hybrid.propose([(repeated, "hybrid", 2, 8)], keep=lambda s, j: True)
+    used = _sources(hybrid.propose([DraftJob(repeated, "hybrid", 2, 8)], keep=_keep))
     assert used == ["lookup"] and hybrid.state(repeated).tokens[:3] == [5, 6, 7]
 
 
@@ -342,8 +349,8 @@ def test_a_confident_lookup_runs_without_the_model(trust, used):
         DraftingConfig(explore_every=1000, lookup_trust=trust), _costs(draft_ms=0.5)))
     seq = _seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2])
     model.cached_len = len(seq.tokens)
-    assert hybrid.survivals(seq) == [] and hybrid.propose(
-        [(seq, "hybrid", 4, 8)], keep=lambda s, j: True) == [used]
+    assert hybrid.survivals(seq) == [] and _sources(hybrid.propose(
+        [DraftJob(seq, "hybrid", 4, 8)], keep=_keep)) == [used]
     assert (model.asked == []) == (used == "lookup")
 
 
@@ -394,7 +401,8 @@ def test_a_backed_off_lookup_rests_on_exactly_the_skipped_rounds():
         expected = not reference.ready(seq.id)
         assert hybrid.resting(seq) == expected
         if not expected:
-            assert hybrid.propose([(seq, "lookup", 0, 8)], keep=lambda s, j: True) == ["plain"]
+            proposed = hybrid.propose([DraftJob(seq, "lookup", 0, 8)], keep=_keep)
+            assert _sources(proposed) == ["plain"]
             reference.record(seq.id, kept=False)
     hybrid.state(seq).add(3, "lookup", None, 0.9)
     assert not hybrid.resting(seq)

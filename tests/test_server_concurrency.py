@@ -59,8 +59,8 @@ def test_admin_traffic_while_streams_run(tok_bundle, tmp_path):
         assert set(statuses) <= {200, 409}
         assert live.wait_idle()
         assert httpx.get(f"{live.url}/health").status_code == 200
-        watcher = live.engine.watcher  # (read after the streams: the engine is idle)
         deadline = time.monotonic() + 10  # the last, valid write: polled every 0.25 s
-        while watcher.reloads["ok"] < 1 and time.monotonic() < deadline:
+        while (reloads := dict(live.state.service.snapshot.reloads))["ok"] < 1 and (
+                time.monotonic() < deadline):
             time.sleep(0.05)
-        assert watcher.reloads["ok"] >= 1 and watcher.reloads["error"] >= 1, watcher.reloads
+        assert reloads["ok"] >= 1 and reloads["error"] >= 1, reloads

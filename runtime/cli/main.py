@@ -216,7 +216,7 @@ def _bench(model: Path, prompts, max_tokens: int, repeats: int, window, policy, 
     engine, tokenizer = load_engine(model, window, policy=policy, config=config_path,
                                     device=device)
     if profile:
-        from dspark.runtime.model.step_profile import format_profile, profile_engine
+        from dspark.runtime.cli.profile import format_profile, profile_engine
 
         report = profile_engine(engine, repeats=max(5, 5 * repeats))
         click.echo(json.dumps(report, indent=2) if as_json else format_profile(report))

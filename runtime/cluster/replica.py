@@ -40,8 +40,7 @@ class EngineReplica:
             name=spec.name or None, device=spec.device, max_body_bytes=spec.max_body_bytes,
             replica=self.replica, watch=False)
         engine = self.state.service.engine
-        self.inbox = ConfigInbox(engine.config)
-        engine.watcher = self.inbox
+        self.inbox = engine.watch(ConfigInbox(engine.config))
         self.board, self.seen = board_handle(context.app_name), 0
         self.state.service.start(spec.warmup)
         if not await asyncio.to_thread(self.state.service.ready.wait, READY_WAIT_S):

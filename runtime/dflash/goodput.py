@@ -51,7 +51,7 @@ class GoodputWindow:
     def survival(self, view: RoundView, drafted: int) -> float:
         state = self.states.setdefault(view.seq_id, GoodputState())
         a = 1.0
-        for c in view.stats.draft_top1[:drafted]:
+        for c in view.confidence[:drafted]:
             a *= min(1.0, state.calibration * c)
         return a
 
@@ -82,11 +82,10 @@ class GoodputWindow:
         return 0
 
     def keep_drafting(self, view: RoundView, drafted: int) -> bool:
-        s = view.stats
-        if drafted == 0 or not s.draft_top1:
+        if drafted == 0 or not view.confidence:
             return True
         survivals = [self.survival(view, j) for j in range(1, drafted + 1)]
-        return self._improves(sum(survivals), survivals[-1] * s.draft_top1[drafted - 1],
+        return self._improves(sum(survivals), survivals[-1] * view.confidence[drafted - 1],
                               drafted)
 
     def observe(self, view: RoundView) -> None:

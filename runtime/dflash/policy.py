@@ -27,6 +27,9 @@ class RoundView:
     generated: int
     stats: SeqStats
     cap: int  # the tightest of config, tenant, request and resource caps
+    # the draft's top-1 probability at each draft in question: the pending ones while a
+    # round is planned and drafted, the last verified window's after it (stats.draft_top1)
+    confidence: tuple[float, ...] = ()
 
     @property
     def plnp(self) -> float:

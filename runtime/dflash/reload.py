@@ -12,11 +12,20 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Protocol
 
 from dspark.runtime.bundle.config import ConfigError, DFlashConfig, load_config
 
 log = logging.getLogger("dspark.reload")
 POLL_S = 0.25
+
+
+class ConfigSource(Protocol):
+    """Where an engine takes new configs from between steps (Engine.watch)."""
+
+    reloads: dict[str, int]  # by result: ok, error
+
+    def poll(self) -> DFlashConfig | None: ...
 
 
 class ConfigWatcher:

@@ -1,4 +1,5 @@
-"""The Drafter protocol and its registry.
+"""The drafting protocols: Drafting (what the engine calls each round, drafting/hybrid.py)
+and Drafter (one source of drafts: the lookup, a draft model).
 
 A drafter proposes draft tokens for the sequences of a round, appending them to each
 sequence's `DraftState` (main ids), and owns whatever per-sequence state it needs (a draft
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from dspark.runtime.drafting.state import DraftState
 from dspark.runtime.sequence.request import Sequence
@@ -32,6 +33,51 @@ class DraftWork:
     state: DraftState
     window: int  # drafts wanted in the pending buffer by the end of the round
     keep: Callable[[Sequence, int], bool] | None = None  # draft one more after j? (policy)
+    room: int = 1 << 30  # positions the sequence may fill in any pool (its reservation)
+    catch_up: int = 1 << 30  # tokens a draft model reads per forward while catching up
+
+
+class DraftJob(NamedTuple):
+    """One sequence's drafting this round, as the planner set it."""
+
+    seq: Sequence
+    method: str  # hybrid, lookup or draft
+    window: int  # model drafts wanted
+    lookup: int  # lookup drafts wanted (the lookup cap)
+    at_end: bool = True  # the round's chunk reaches the sequence's end: drafts may follow
+    room: int = 1 << 30  # positions the sequence may fill (its reservation)
+    catch_up: int = 1 << 30  # tokens a draft model reads per forward while catching up
+
+
+class Proposed(NamedTuple):
+    source: str  # plain, lookup, draft or lookup+draft
+    lookup: int  # the lookup cap, raised to take a grammar's forced tokens
+
+
+class Drafting(Protocol):
+    """The round's drafting as the engine and the planner call it (drafting/hybrid.py):
+    per round `resting` (planning), `propose`, `state`/`survivals` (the verify's choice),
+    then `settle` with verification's outcome; `release` when a sequence ends."""
+
+    default_draft: str | None  # the draft model role sequences use (None: none)
+
+    def resting(self, seq: Sequence) -> bool: ...
+
+    def propose(self, jobs: list[DraftJob], keep: Callable[[Sequence, int], bool]
+                ) -> list[Proposed]: ...
+
+    def state(self, seq: Sequence) -> DraftState: ...
+
+    def survivals(self, seq: Sequence, count: int | None = None) -> list[float]: ...
+
+    def settle(self, seq: Sequence, old_len: int, verified: int, accepted: int,
+               main_token: int, seconds: float) -> None: ...
+
+    def release(self, seq: Sequence) -> None: ...
+
+    def configure(self, config) -> None: ...
+
+    def use_draft(self, role: str) -> None: ...
 
 
 class Drafter(Protocol):

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dspark.runtime.dflash.source import STEADY_BEHIND, SourceChooser
-from dspark.runtime.drafting.base import DraftWork
+from dspark.runtime.drafting.base import DraftJob, DraftWork, Proposed
 from dspark.runtime.drafting.lookup import LookupDrafter
 from dspark.runtime.drafting.model import ModelDrafter
 from dspark.runtime.drafting.state import DraftState, settle
@@ -75,6 +75,20 @@ class HybridDrafter:
         self.states: dict[int, DraftState] = {}
         self.backoff = Backoff()
 
+    def configure(self, config) -> None:
+        """A new DFlashConfig, between steps."""
+        self.lookup.configure(config)
+        self.chooser.configure(config)
+
+    def use_draft(self, role: str) -> None:
+        """The draft model sequences use from their next round (RAS's choice)."""
+        if self.model is not None:
+            self.model.default = role
+
+    @property
+    def default_draft(self) -> str | None:
+        return self.model.default if self.model is not None else None
+
     @property
     def drafters(self) -> list:
         return [d for d in (self.lookup, self.model) if d is not None]
@@ -95,15 +109,19 @@ class HybridDrafter:
         n = len(st) if count is None else count
         return self.chooser.survivals(seq.id, st.sources[:n], st.confidence[:n])
 
-    def propose(self, jobs: list[tuple[Sequence, str, int, int]], keep: Keep) -> list[str]:
-        """jobs: (seq, method, model window, lookup cap); returns the source used per job:
-        plain, lookup, draft or lookup+draft (held drafts count as what proposed them)."""
-        caps = {s.id: cap for s, method, _, cap in jobs if method != "draft" and cap
-                and self.backoff.ready(s.id)}
-        self.lookup.propose([DraftWork(s, self.state(s), len(self.state(s)) + caps[s.id])
-                             for s, *_ in jobs if s.id in caps])
+    def propose(self, jobs: list[DraftJob], keep: Keep) -> list[Proposed]:
+        """Fill each job's pending drafts; per job the source used (plain, lookup, draft or
+        lookup+draft; held drafts count as what proposed them) and its lookup cap, raised to
+        take a grammar's forced tokens. A grammar's sequence starts from the tokens it
+        forces (free drafts), and its drafts end at the first one the grammar forbids."""
+        jobs = [self._force(job) for job in jobs]
+        caps = {j.seq.id: j.lookup for j in jobs if j.method != "draft" and j.lookup
+                and self.backoff.ready(j.seq.id)}
+        self.lookup.propose([DraftWork(j.seq, self.state(j.seq),
+                                       len(self.state(j.seq)) + caps[j.seq.id])
+                             for j in jobs if j.seq.id in caps])
         model_work = []
-        for seq, method, window, _ in jobs:
+        for seq, method, window, _, _, room, catch_up in jobs:
             st = self.state(seq)
             if method != "draft":  # pending drafts that would not pay their verify go
                 before = len(st)
@@ -114,10 +132,25 @@ class HybridDrafter:
             if method == "draft":
                 extra = window - len(st)
             if extra > 0 and self.model is not None and method != "lookup":
-                model_work.append(DraftWork(seq, st, len(st) + extra, keep))
+                model_work.append(DraftWork(seq, st, len(st) + extra, keep, room, catch_up))
         if self.model is not None:
             self.model.propose(model_work)
-        return [self._used(self.state(seq)) for seq, *_ in jobs]
+        for j in jobs:
+            if j.seq.constraint is not None:
+                self.truncate(j.seq, j.seq.constraint.valid_prefix(self.state(j.seq).tokens))
+        return [Proposed(self._used(self.state(j.seq)), j.lookup) for j in jobs]
+
+    def _force(self, job: DraftJob) -> DraftJob:
+        """A grammar's forced tokens become pending drafts when nothing is pending and the
+        sequence is at its end; the lookup cap lets the verify take them all."""
+        seq = job.seq
+        if seq.constraint is None or len(self.state(seq)) or not job.at_end:
+            return job
+        left = seq.request.max_tokens - len(seq.generated) - 1
+        forced = seq.constraint.forced()[:max(0, left)]
+        for token in forced:
+            self.state(seq).add(token, FORCED)
+        return job._replace(lookup=max(job.lookup, len(forced)))
 
     def _extension(self, seq: Sequence, window: int) -> int:
         """How many model drafts to add after what is pending (see the module doc); drops
@@ -157,12 +190,6 @@ class HybridDrafter:
         elif not extra and not survivals:
             choose.expect(seq.id, choose.seconds(0), "plain")
         return extra
-
-    def force(self, seq: Sequence, tokens: list[int]) -> None:
-        """Drafts that cost nothing and are sure to survive (a grammar's forced tokens)."""
-        st = self.state(seq)
-        for token in tokens:
-            st.add(token, FORCED)
 
     def truncate(self, seq: Sequence, keep: int) -> None:
         """Keep only the first `keep` pending drafts."""

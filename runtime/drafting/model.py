@@ -20,7 +20,6 @@ proposals change (an int4 copy reading fp32 K/V).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,19 +73,16 @@ class ModelDrafter:
     name = "draft"
 
     def __init__(self, runners: dict[str, ModelRunner], arena: KVArena, default: str,
-                 token_maps: dict[str, TokenMap], catch_up: Callable[[], int],
-                 room: Callable[[Sequence], int], shared: frozenset[str] = frozenset()):
-        """token_maps: draft role -> its map to main ids (where tokenizers differ);
-        catch_up(): tokens fed per forward while catching up; room(seq): positions the
-        sequence may fill in any pool (its reservation); shared: the roles that read the
-        main's KV cache (their runners' pool is the main's, see the module doc)."""
+                 token_maps: dict[str, TokenMap], shared: frozenset[str] = frozenset()):
+        """token_maps: draft role -> its map to main ids (where tokenizers differ); shared:
+        the roles that read the main's KV cache (their runners' pool is the main's, see the
+        module doc). Each DraftWork says how far a sequence may fill (room) and how many
+        tokens a catch-up forward reads."""
         self.shared = shared
         self.runners = runners
         self.arena = arena
         self.default = default  # RAS may switch it; sequences follow from their next round
         self.token_maps = token_maps
-        self.catch_up = catch_up
-        self.room = room
         self.caches: dict[int, DraftCache] = {}
         self.room_stalls = 0  # draft windows cut short by a sequence's reservation
 
@@ -125,10 +121,10 @@ class ModelDrafter:
                 behind = w.seq.tokens + w.state.tokens
                 if cache.cached >= len(behind):  # all read (pending drafts it read were
                     self.trim(w.seq, len(behind) - 1)  # dropped): re-read the last token
-                feed = behind[cache.cached:cache.cached + self.catch_up()]
+                feed = behind[cache.cached:cache.cached + w.catch_up]
                 pieces = [tmap.pieces(t) for t in feed] if tmap else [[t] for t in feed]
                 width = sum(len(p) for p in pieces)
-                if cache.offsets[-1] + width > self.room(w.seq):
+                if cache.offsets[-1] + width > w.room:
                     w.window = len(w.state)  # no room left for the draft: no more drafts
                     self.room_stalls += 1
                     continue

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -23,9 +24,10 @@ from dspark.runtime.bundle.memory_plan import MemoryPlan, without_pools
 from dspark.runtime.cache.kv_arena import KVArena
 from dspark.runtime.dflash.che import CacheHealth
 from dspark.runtime.dflash.ras import ResourceManager, probe_device
-from dspark.runtime.dflash.reload import ConfigWatcher
+from dspark.runtime.dflash.reload import ConfigSource, ConfigWatcher
 from dspark.runtime.dflash.source import SourceChooser
 from dspark.runtime.dflash.vlb import VerifyBalancer
+from dspark.runtime.drafting.base import Drafting, DraftJob
 from dspark.runtime.drafting.hybrid import HybridDrafter
 from dspark.runtime.drafting.lookup import LookupDrafter
 from dspark.runtime.drafting.model import ModelDrafter
@@ -34,6 +36,7 @@ from dspark.runtime.engine.emit import emit
 from dspark.runtime.engine.planner import WindowPlanner
 from dspark.runtime.engine.round_plan import RoundPlan, Slot
 from dspark.runtime.engine.scheduler import Scheduler
+from dspark.runtime.engine.snapshot import EngineGauges, RoundRecord, StepReport
 from dspark.runtime.errors import RequestError
 from dspark.runtime.grammar.constraint import GrammarBook
 from dspark.runtime.model.costs import AFTER_DRAFT, CostModel
@@ -74,7 +77,7 @@ class Engine:
         self.planner = WindowPlanner(self.config, self.costs, self.resources, self.balancer,
                                      bool(self.draft_models), policy or (
                                          "fixed" if window else None), window)
-        self.drafting = HybridDrafter(LookupDrafter(self.config.drafting.lookup),
+        self.drafting: Drafting = HybridDrafter(LookupDrafter(self.config.drafting.lookup),
                                       _model_drafter(self, bundle),
                                       SourceChooser(self.config.drafting, self.costs))
         self.keep = self.planner.keep_drafting(self.drafting)
@@ -83,10 +86,7 @@ class Engine:
         self.grammars = grammars
         self.ids = itertools.count()
         self.health = CacheHealth(self.arena, self.config.cache_health)
-        self.watcher: ConfigWatcher | None = None
-        self.round_log: list[tuple] = []  # (tenant, window, drafted, accepted, sources)
-        self.method_log: list[tuple[str, str]] = []  # this step's (tenant, source) per round
-        self.last_verify_ms: float | None = None
+        self._watcher: ConfigSource | None = None
 
     @property
     def plan(self) -> MemoryPlan:
@@ -95,84 +95,91 @@ class Engine:
     @property
     def draft_model(self) -> ModelRunner | None:
         """The draft model sequences use by default (RAS may switch it)."""
-        model = self.drafting.model
-        return self.draft_models[model.default] if model is not None else None
+        role = self.drafting.default_draft
+        return self.draft_models[role] if role is not None else None
 
     @property
     def limits(self) -> Limits:
         return Limits(self.vocab_size, self.plan.max_seq_len, tuple(sorted(self.draft_models)))
 
-    def watch_config(self, path) -> None:
-        """Hot-reload `path` (the bundle's dflash_config.json or --config) between steps."""
-        self.watcher = ConfigWatcher(path, self.config)
+    def watch(self, source: Path | ConfigSource) -> ConfigSource:
+        """Take new configs between steps from `source`: a file to hot-reload (the bundle's
+        dflash_config.json or --config) or anything with `poll()` and `reloads` (a cluster
+        replica's inbox). Returns the source (SIGHUP-style `requested` on a file's)."""
+        self._watcher = source if hasattr(source, "poll") else ConfigWatcher(source, self.config)
+        return self._watcher
 
     def apply_config(self, config: DFlashConfig) -> None:
         """Swap in a validated config; called between steps only."""
         self.config = config
         self.arena.zero_rejected = config.cache_health.zero_rejected_slots
         for part in (self.scheduler, self.planner, self.balancer, self.health, self.resources,
-                     self.drafting.lookup, self.drafting.chooser):
+                     self.drafting):
             part.configure(config)
 
     # -- the loop ---------------------------------------------------------------------
-    def step(self) -> list[Sequence]:
-        """One engine step; returns the sequences it advanced (finished ones included)."""
+    def step(self) -> StepReport:
+        """One engine step: what it advanced (finished sequences included), each speculative
+        sequence's round, the verify's time."""
         self.maintain()
-        self.round_log, self.method_log, self.last_verify_ms = [], [], None
         for seq in self.scheduler.admit():
             self.arena.add_sequence(seq.id)
         plan = self.planner.plan(self.scheduler.plan_step(), self.drafting)
-        if plan:
-            t0 = time.perf_counter()
-            plan = self.planner.balance(self._propose(plan), self.drafting)
-            logits = self._verify(plan)
-            seconds = time.perf_counter() - t0
-            for slot, rows in zip(plan, logits):
-                try:
-                    self._advance(slot, rows, seconds)
-                except Exception as e:  # noqa: BLE001 - one sequence's fault ends it alone
-                    slot.seq.finish_reason, slot.seq.error = "error", e
-            self._retire(plan)
-        return plan.seqs
+        if not plan:
+            return StepReport()
+        t0 = time.perf_counter()
+        plan = self.planner.balance(self._propose(plan), self.drafting)
+        logits, verify_ms = self._verify(plan)
+        seconds = time.perf_counter() - t0
+        rounds = []
+        for slot, rows in zip(plan, logits):
+            try:
+                if (record := self._advance(slot, rows, seconds)) is not None:
+                    rounds.append(record)
+            except Exception as e:  # noqa: BLE001 - one sequence's fault ends it alone
+                slot.seq.finish_reason, slot.seq.error = "error", e
+        for seq in plan.seqs:
+            if seq.done:
+                self.scheduler.finish(seq)
+                self._release(seq)
+        return StepReport(tuple(plan.seqs), tuple(rounds), verify_ms)
+
+    def gauges(self) -> EngineGauges:
+        """The engine's state between steps, frozen (what the server and metrics read)."""
+        health, h = self.health, self.health.health
+        reloads = None if self._watcher is None else tuple(sorted(self._watcher.reloads.items()))
+        return EngineGauges(
+            self.limits, self.scheduler.pending, len(self.scheduler.running),
+            self.config.cache_resize_grace_period_sec,
+            self.arena.used_blocks / self.plan.num_blocks, health.hit_rate, h.kdr, h.vfi,
+            h.clca, health.compactions, health.defrag_moves, self.resources.degraded,
+            self.resources.switches, self.balancer.utilisation, reloads)
 
     def maintain(self) -> None:
         """Between steps: config reload, cache health, resources (nothing reads the arena)."""
-        if self.watcher is not None and (config := self.watcher.poll()) is not None:
+        if self._watcher is not None and (config := self._watcher.poll()) is not None:
             self.apply_config(config)
         self.health.maybe_run()
         usage = self.arena.used_blocks / self.plan.num_blocks
         if self.resources.tick(time.perf_counter(), usage):
             self.arena.delta_log = not self.resources.degraded
-            if self.drafting.model is not None:  # sequences follow from their next round
-                self.drafting.model.default = self.resources.draft
+            self.drafting.use_draft(self.resources.draft)  # from each sequence's next round
 
     def _propose(self, plan: RoundPlan) -> RoundPlan:
-        jobs = [self._force(s) if s.seq.constraint is not None else s
-                for s in plan if s.method != "plain"]
-        used = self.drafting.propose([(s.seq, s.method, s.window, s.lookup) for s in jobs],
-                                     self.keep)
-        for s in jobs:  # a draft the grammar forbids ends the window
-            if s.seq.constraint is not None:
-                pending = self.drafting.state(s.seq).tokens
-                self.drafting.truncate(s.seq, s.seq.constraint.valid_prefix(pending))
-        slots = {s.seq.id: s.but(source=u) for s, u in zip(jobs, used)}
+        jobs = [s for s in plan if s.method != "plain"]
+        catch_up, block, limit = (self.scheduler.prefill_tokens, self.plan.block_size,
+                                  self.plan.max_seq_len)
+        proposed = self.drafting.propose(
+            [DraftJob(s.seq, s.method, s.window, s.lookup, s.finishes_prompt,
+                      min(self.scheduler.reserved.get(s.seq.id, 0) * block, limit), catch_up)
+             for s in jobs], self.keep)
+        slots = {s.seq.id: s.but(source=p.source, lookup=p.lookup)
+                 for s, p in zip(jobs, proposed)}
         return plan.with_slots(slots.get(s.seq.id, s) for s in plan)
 
-    def _force(self, slot: Slot) -> Slot:
-        """Tokens the grammar forces become free drafts (verified like any other) when
-        nothing is pending; the lookup cap lets the verify take them all."""
-        seq = slot.seq
-        if len(self.drafting.state(seq)) or not slot.finishes_prompt:
-            return slot
-        left = seq.request.max_tokens - len(seq.generated) - 1
-        forced = seq.constraint.forced()[:max(0, left)]
-        if not forced:
-            return slot
-        self.drafting.force(seq, forced)
-        return slot.but(lookup=max(slot.lookup, len(forced)))
-
-    def _verify(self, plan: RoundPlan) -> list[np.ndarray]:
-        """One main forward: prompt chunks, uncached tokens and the verified drafts."""
+    def _verify(self, plan: RoundPlan) -> tuple[list[np.ndarray], float]:
+        """One main forward: prompt chunks, uncached tokens and the verified drafts; the
+        logits rows per sequence and the forward's milliseconds."""
         chunks, rows = [], []
         for s in plan:
             seq = s.seq
@@ -186,27 +193,27 @@ class Engine:
         logits = self.main.forward(chunks, rows, AFTER_DRAFT if drafted else None)
         elapsed = time.perf_counter() - t0
         self.balancer.observe(sum(len(c[2]) for c in chunks), elapsed)
-        self.last_verify_ms = 1000 * elapsed
-        return logits
+        return logits, 1000 * elapsed
 
-    def _advance(self, slot: Slot, logits: np.ndarray, seconds: float) -> None:
+    def _advance(self, slot: Slot, logits: np.ndarray, seconds: float) -> RoundRecord | None:
+        """Accept, commit and emit one sequence's verified tokens; its round's record when
+        it speculates."""
         seq = slot.seq
         self.scheduler.account(seq, slot.chunk + slot.verify)
         if not len(logits):  # a prompt chunk: the cache grew, nothing to emit yet
             seq.main_cached += slot.chunk
-            return
+            return None
         pending = self.drafting.state(seq)
         sources = tuple(pending.sources[:slot.verify])
         result = accept(seq, pending, slot.verify, logits)
         if seq.constraint is not None:
             seq.constraint.commit(result.tokens)
-        seq.stats.draft_top1, seq.stats.draft_entropy = pending.confidence[:], pending.entropy[:]
-        seq.stats.record(result.drafted, result.accepted)
+        seq.stats.record(result.drafted, result.accepted, pending.confidence, pending.entropy)
+        record = None
         if seq.request.speculative:
             seq.stats.record_method(slot.source)
-            self.round_log.append((seq.tenant, len(pending), result.drafted, result.accepted,
-                                   sources))
-            self.method_log.append((seq.tenant, slot.source))
+            record = RoundRecord(seq.tenant, len(pending), result.drafted, result.accepted,
+                                 sources, slot.source)
         if result.drafted:
             self.balancer.observe_round(result.accepted > 0)
         self._commit(seq, slot, result, seconds)
@@ -216,6 +223,7 @@ class Engine:
              self.decode, self.scheduler.steps)
         if grammar is not None and not seq.done and grammar.stopped:  # nothing more allowed
             seq.finish_reason = "stop"
+        return record
 
     def _commit(self, seq: Sequence, slot: Slot, result: Acceptance, seconds: float) -> None:
         """Keep in every cache exactly what verification accepted.
@@ -230,12 +238,6 @@ class Engine:
         self.arena.rollback(seq.id, "main", seq.main_cached)
         self.drafting.settle(seq, old, slot.verify, result.accepted, result.tokens[-1],
                              seconds)
-
-    def _retire(self, plan: RoundPlan) -> None:
-        for seq in plan.seqs:
-            if seq.done:
-                self.scheduler.finish(seq)
-                self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
         if seq.id in self.arena.tables:
@@ -294,18 +296,13 @@ class Engine:
 
 
 def _model_drafter(engine: Engine, bundle: Bundle) -> ModelDrafter | None:
-    """The bundle's draft models as a drafter: it reads as many tokens per catch-up forward
-    as a prompt chunk, and may fill a sequence's positions up to its reservation."""
+    """The bundle's draft models as a drafter (each round's DraftJob says how far a sequence
+    may fill: its reservation, and how many tokens a catch-up reads: a prompt chunk)."""
     if not engine.draft_models:
         return None
-
-    def room(seq: Sequence) -> int:
-        reserved = engine.scheduler.reserved.get(seq.id, 0) * engine.plan.block_size
-        return min(reserved, engine.plan.max_seq_len)
-
     maps = {"draft": bundle.token_map} if bundle.token_map is not None else {}
     return ModelDrafter(engine.draft_models, engine.arena, engine.resources.draft, maps,
-                        lambda: engine.scheduler.prefill_tokens, room, engine.shared_kv)
+                        engine.shared_kv)
 
 
 def shared_kv_roles(bundle: Bundle, enabled: bool) -> frozenset[str]:

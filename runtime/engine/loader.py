@@ -31,7 +31,7 @@ def load_engine(model: Path, window: int | None = None, max_batch: int = 16,
                     decode=tokenizer.decode if tokenizer else None, device=device,
                     grammars=GrammarBook.of(bundle, tokenizer), config=given)
     if watch:
-        engine.watch_config(config or bundle.path(CONFIG_FILE))
+        engine.watch(config or bundle.path(CONFIG_FILE))
     if warmup:
         engine.warmup()
     return engine, tokenizer

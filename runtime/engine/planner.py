@@ -3,7 +3,7 @@
     plan      method (request, else config; hybrid means lookup on a draftless bundle),
               model window = the tenant's window policy within every cap, lowered by VLB's
               batch cap; lookup cap = the lookup's max within the request/tenant caps.
-              A lookup slot whose lookups are backed off (HybridDrafter.resting) stays
+              A lookup slot whose lookups are backed off (Drafting.resting) stays
               plain: at int4 speeds the drafting path's bookkeeping alone cost ~1%.
               A hybrid slot's model window is the most the hybrid may draft; its cost
               model picks how many (0 included). Under an adaptive policy it is at least
@@ -31,7 +31,7 @@ from dspark.runtime.dflash.policies import make_policy
 from dspark.runtime.dflash.policy import RoundView, WindowPolicy
 from dspark.runtime.dflash.ras import ResourceManager
 from dspark.runtime.dflash.vlb import VerifyBalancer
-from dspark.runtime.drafting.hybrid import HybridDrafter
+from dspark.runtime.drafting.base import Drafting
 from dspark.runtime.engine.round_plan import RoundPlan, Slot
 from dspark.runtime.model.costs import CostModel
 from dspark.runtime.sequence.request import Sequence
@@ -106,9 +106,12 @@ class WindowPlanner:
         tenant, left = self._caps(seq)
         return max(0, min(self.config.drafting.lookup.max_tokens, tenant, left))
 
-    def view(self, seq: Sequence) -> RoundView:
+    def view(self, seq: Sequence, confidence: list[float] | None = None) -> RoundView:
+        """What a policy sees of `seq`; `confidence`: the pending drafts' (default: the
+        last verified window's)."""
         return RoundView(seq.id, seq.tenant, seq.prompt_len, len(seq.generated), seq.stats,
-                         self.cap(seq))
+                         self.cap(seq), tuple(seq.stats.draft_top1 if confidence is None
+                                              else confidence))
 
     def method(self, seq: Sequence) -> str:
         """The request's method; else the draft model it names; else the config's."""
@@ -118,7 +121,7 @@ class WindowPlanner:
             method = self.resources.row.method
         return "lookup" if method == "hybrid" and not self.has_model else method
 
-    def plan(self, plan: RoundPlan, drafter: HybridDrafter) -> RoundPlan:
+    def plan(self, plan: RoundPlan, drafter: Drafting) -> RoundPlan:
         drafting = [s for s in plan if not s.seq.prefilling and s.seq.request.speculative]
         for policy in self.policies.values():
             policy.begin_round(len(drafting))
@@ -141,14 +144,14 @@ class WindowPlanner:
             slots[s.seq.id].but(window=min(cap, slots[s.seq.id].window))
             if s.seq.id in slots else s for s in plan)
 
-    def keep_drafting(self, drafting: HybridDrafter):
+    def keep_drafting(self, drafting: Drafting):
         """The policy's per-token rule for the model drafter, fed the pending confidences."""
         def keep(seq: Sequence, drafted: int) -> bool:
-            seq.stats.draft_top1 = list(drafting.state(seq).confidence)
-            return self.policy(seq.tenant).keep_drafting(self.view(seq), drafted)
+            view = self.view(seq, drafting.state(seq).confidence)
+            return self.policy(seq.tenant).keep_drafting(view, drafted)
         return keep
 
-    def balance(self, plan: RoundPlan, drafting: HybridDrafter) -> RoundPlan:
+    def balance(self, plan: RoundPlan, drafting: Drafting) -> RoundPlan:
         """How many pending drafts each slot verifies."""
         slots = [s.but(verify=self.balancer.admit(
             min(len(drafting.state(s.seq)), max(s.window, s.lookup)))) for s in plan]
@@ -160,16 +163,15 @@ class WindowPlanner:
                 slots[i] = slots[i].but(verify=k)
         return plan.with_slots(slots)
 
-    def _selects(self, slot: Slot, drafting: HybridDrafter) -> bool:
+    def _selects(self, slot: Slot, drafting: Drafting) -> bool:
         sources = drafting.state(slot.seq).sources[:slot.verify]
         return "lookup" in sources or self.policy(slot.seq.tenant).survival(
-            self.view(slot.seq), 1) is not None
+            self.view(slot.seq, drafting.state(slot.seq).confidence), 1) is not None
 
-    def _survival(self, slot: Slot, drafting: HybridDrafter) -> list[float]:
+    def _survival(self, slot: Slot, drafting: Drafting) -> list[float]:
         seq, state = slot.seq, drafting.state(slot.seq)
-        policy, view = self.policy(seq.tenant), self.view(seq)
+        policy, view = self.policy(seq.tenant), self.view(seq, state.confidence)
         if "lookup" not in state.sources[:slot.verify]:
-            seq.stats.draft_top1 = list(state.confidence)
             return [policy.survival(view, j) for j in range(1, slot.verify + 1)]
         return drafting.survivals(seq, slot.verify)
 

@@ -42,8 +42,10 @@ class SeqStats:
     last_window: int = 0  # drafts verified last round
     last_accepted: int = 0
     windows: int = 0  # sum of verified windows, for the mean
-    draft_top1: list[float] = field(default_factory=list)  # per drafted position, this round
-    draft_entropy: list[float] = field(default_factory=list)  # of the renormalised top-3
+    # per draft of the last verified window: the draft's top-1 probability, and the entropy
+    # of its renormalised top-3 (model drafts; a lookup's confidence, no entropy)
+    draft_top1: list[float] = field(default_factory=list)
+    draft_entropy: list[float] = field(default_factory=list)
     sources: dict[str, SourceStats] = field(default_factory=dict)  # lookup, draft
     methods: dict[str, int] = field(default_factory=dict)  # rounds per chosen method
 
@@ -55,7 +57,11 @@ class SeqStats:
     def record_method(self, method: str) -> None:
         self.methods[method] = self.methods.get(method, 0) + 1
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, top1: list[float] | None = None,
+               entropy: list[float] | None = None) -> None:
+        """A verified round: its drafts, how many held, the window's confidences."""
+        if top1 is not None:
+            self.draft_top1, self.draft_entropy = list(top1), list(entropy or ())
         if drafted:
             self.rounds += 1
         self.draft_tokens += drafted

@@ -23,7 +23,7 @@ from dspark.runtime.grammar.constraint import GrammarBook
 from dspark.runtime.grammar.formats import response_format_grammar
 from dspark.runtime.sequence.request import GenerationRequest, Sequence
 from dspark.runtime.sequence.sampling import SamplingParams
-from dspark.runtime.sequence.validate import draft_role, validate
+from dspark.runtime.sequence.validate import draft_role
 from dspark.runtime.server import errors, tool_calls
 from dspark.runtime.server.auth import BearerAuth
 from dspark.runtime.server.body_limit import BodyLimit
@@ -201,12 +201,7 @@ def _request(state: ServerState, body: GenerationParams, ids: list[int], tenant:
         body.stops(), speculative=body.speculative_decoding, max_window=spec.max_window,
         tenant=tenant, draft_model=draft_role(spec.draft_model, limits)
         if spec.draft_model is not None else None, method=spec.method, grammar=grammar)
-    try:
-        validate(request, limits)
-    except RequestError as e:
-        param = prompt_param if e.param == "prompt" else e.param
-        raise APIError(400, str(e), param=param, code=e.code) from None
-    return request
+    return request  # validated once, at the engine service's door
 
 
 async def _generate(state: ServerState, body, ids: list[int], kind: str, request: Request,
@@ -222,6 +217,10 @@ async def _generate(state: ServerState, body, ids: list[int], kind: str, request
         grammar = await _grammar(state, body)
         gen = _request(state, body, ids, tenant, prompt_param, grammar)
         handle = state.service.submit(gen)
+    except RequestError as e:  # named as the client sent it (messages, not prompt)
+        state.metrics.request(endpoint, "rejected")
+        param = prompt_param if e.param == "prompt" else e.param
+        raise APIError(400, str(e), param=param, code=e.code) from None
     except Exception:
         state.metrics.request(endpoint, "rejected")
         raise

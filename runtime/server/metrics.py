@@ -15,7 +15,7 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from dspark.runtime.engine.engine import Engine
+from dspark.runtime.engine.snapshot import EngineGauges, StepReport
 from dspark.runtime.sequence.request import Sequence
 
 MINUTE = 60.0
@@ -93,30 +93,29 @@ class Metrics:
     def request(self, endpoint: str, status: str) -> None:
         self.requests.labels(**self.labels, endpoint=endpoint, status=status).inc()
 
-    def on_step(self, engine: Engine, advanced: list[Sequence], seconds: float) -> None:
-        """Engine thread, after each step."""
+    def on_step(self, report: StepReport, gauges: EngineGauges, seconds: float) -> None:
+        """Engine thread, after each step (an empty report between steps when idle)."""
         now = time.perf_counter()
         self._prune(now)
-        if engine.last_verify_ms is not None:
-            self.verify.labels(**self.labels).observe(engine.last_verify_ms)
-            self.verifies.append((now, engine.last_verify_ms))
-        for tenant, window, drafted, accepted, sources in engine.round_log:
-            t = self._t(tenant)
-            for i, source in enumerate(sources):
+        if report.verify_ms is not None:
+            self.verify.labels(**self.labels).observe(report.verify_ms)
+            self.verifies.append((now, report.verify_ms))
+        for r in report.rounds:
+            t = self._t(r.tenant)
+            for i, source in enumerate(r.sources):
                 self.by_source.labels(**t, source=source, result="drafted").inc()
-                if i < accepted:
+                if i < r.accepted:
                     self.by_source.labels(**t, source=source, result="accepted").inc()
-            self.rounds.append((now, tenant, window, drafted, accepted))
-            self.drafted.labels(**t).inc(drafted)
-            self.accepted.labels(**t).inc(accepted)
-            for position in range(1, accepted + 1):
+            self.rounds.append((now, r.tenant, r.window, r.drafted, r.accepted))
+            self.drafted.labels(**t).inc(r.drafted)
+            self.accepted.labels(**t).inc(r.accepted)
+            for position in range(1, r.accepted + 1):
                 self.accepted_at.labels(**t, position=str(position)).inc()
-        for tenant, source in engine.method_log:
-            self.methods.labels(**self._t(tenant), method=source).inc()
-        for seq in advanced:
+            self.methods.labels(**t, method=r.method).inc()
+        for seq in report.advanced:
             self._latencies(seq, now)
         self._rolling(now)
-        self._state(engine)
+        self._state(gauges)
 
     def _latencies(self, seq: Sequence, now: float) -> None:
         seen = self.metered.get(seq.id, 0)
@@ -138,22 +137,22 @@ class Metrics:
         """Any thread, on scrape."""
         return generate_latest(self.registry)
 
-    def _state(self, engine: Engine) -> None:
-        h, lab = engine.health.health, self.labels
-        self.hit_rate.labels(**lab).set(engine.health.hit_rate)
-        self.kv_usage.labels(**lab).set(engine.arena.used_blocks / engine.plan.num_blocks)
-        self.kdr.labels(**lab).set(h.kdr)
-        self.vfi.labels(**lab).set(h.vfi)
-        self.clca.labels(**lab).set(h.clca)
-        self.repairs.labels(**lab, kind="compaction").set(engine.health.compactions)
-        self.repairs.labels(**lab, kind="defrag_move").set(engine.health.defrag_moves)
-        self.degraded.labels(**lab).set(int(engine.resources.degraded))
-        self.switches.labels(**lab).set(engine.resources.switches)
-        self.utilisation.labels(**lab).set(engine.balancer.utilisation)
-        if engine.watcher is not None:
-            for result, count in engine.watcher.reloads.items():
+    def _state(self, g: EngineGauges) -> None:
+        lab = self.labels
+        self.hit_rate.labels(**lab).set(g.hit_rate)
+        self.kv_usage.labels(**lab).set(g.kv_usage)
+        self.kdr.labels(**lab).set(g.kdr)
+        self.vfi.labels(**lab).set(g.vfi)
+        self.clca.labels(**lab).set(g.clca)
+        self.repairs.labels(**lab, kind="compaction").set(g.compactions)
+        self.repairs.labels(**lab, kind="defrag_move").set(g.defrag_moves)
+        self.degraded.labels(**lab).set(int(g.degraded))
+        self.switches.labels(**lab).set(g.switches)
+        self.utilisation.labels(**lab).set(g.utilisation)
+        if g.reloads is not None:
+            for result, count in g.reloads:
                 self.reloads.labels(**lab, result=result).set(count)
-            self.reload_errors.labels(**lab).set(engine.watcher.reloads["error"])
+            self.reload_errors.labels(**lab).set(dict(g.reloads)["error"])
 
     def _prune(self, now: float) -> None:
         """Keep one minute of rounds and verifies (whether or not anyone scrapes)."""

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dspark.runtime.engine.engine import Engine
-from dspark.runtime.engine.snapshot import EngineSnapshot
+from dspark.runtime.engine.snapshot import EngineGauges, StepReport
 from dspark.runtime.errors import QueueFullError
 from dspark.runtime.sequence.request import GenerationRequest, Sequence
 from dspark.runtime.sequence.validate import validate
@@ -45,7 +45,7 @@ class Handle:
 
 class EngineService:
     def __init__(self, engine: Engine, max_queue: int = 256,
-                 on_step: Callable[[Engine, list[Sequence], float], None] | None = None,
+                 on_step: Callable[[StepReport, EngineGauges, float], None] | None = None,
                  on_cancel: Callable[[int], None] | None = None):
         self.engine = engine
         self.max_queue = max_queue
@@ -55,7 +55,7 @@ class EngineService:
         self.handles: dict[int, Handle] = {}
         self.ready = threading.Event()
         self.stopping = threading.Event()
-        self.snapshot = EngineSnapshot.of(engine)  # replaced whole by the engine thread
+        self.snapshot = engine.gauges()  # replaced whole by the engine thread
         self.thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
 
     # -- called from the event loop ---------------------------------------------------
@@ -97,22 +97,22 @@ class EngineService:
             self._drain(block=not self.engine.busy)
             if not self.engine.busy:
                 self.engine.maintain()
-                self.snapshot = EngineSnapshot.of(self.engine)
+                self.snapshot = self.engine.gauges()
                 if self.on_step is not None and time.perf_counter() - last > IDLE_REFRESH_S:
-                    self.on_step(self.engine, [], 0.0)
+                    self.on_step(StepReport(), self.snapshot, 0.0)
                     last = time.perf_counter()
                 continue
             t0 = time.perf_counter()
             try:
-                advanced = self.engine.step()
+                report = self.engine.step()
             except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
                 log.exception("engine step failed")
                 self._fail_all(e)
                 continue
-            self.snapshot = EngineSnapshot.of(self.engine)
-            self._notify(advanced)
+            self.snapshot = self.engine.gauges()
+            self._notify(report.advanced)
             if self.on_step is not None:
-                self.on_step(self.engine, advanced, time.perf_counter() - t0)
+                self.on_step(report, self.snapshot, time.perf_counter() - t0)
                 last = time.perf_counter()
 
     def _drain(self, block: bool) -> None:
@@ -151,7 +151,7 @@ class EngineService:
             if future is not None:
                 loop.call_soon_threadsafe(_settle, future, result, error)
 
-    def _notify(self, advanced: list[Sequence]) -> None:
+    def _notify(self, advanced: tuple[Sequence, ...]) -> None:
         for seq in advanced:
             handle = self.handles.get(seq.id)
             if handle is None:
