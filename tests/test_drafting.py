@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dspark.runtime.bundle.config import DraftingConfig, LookupConfig
+from dspark.runtime.dflash.policy import KeepRule, RoundView
 from dspark.runtime.dflash.source import (
     MARGIN,
     POSITION_WEIGHT,
@@ -122,6 +123,31 @@ def test_model_drafter_rereads_the_last_token_when_dropped_drafts_were_all_it_la
     assert runner.chunks[-1] == [(seq.id, 10, [7])] and state.tokens == [7, 7]
 
 
+class StopAfter:
+    """A window policy's keep rule that records what it was shown."""
+
+    def __init__(self, limit):
+        self.limit, self.seen = limit, []
+
+    def keep_drafting(self, view, drafted):
+        self.seen.append((view.seq_id, view.confidence, drafted))
+        return drafted < self.limit
+
+
+def test_the_draft_model_asks_the_jobs_keep_rule_with_the_pending_confidences():
+    """The draft model stops where the sequence's policy says, asked through the KeepRule
+    its job carries (no callback into the planner), and shows the policy the confidences of
+    the drafts pending so far, in order."""
+    runner, policy = FakeRunner(), StopAfter(2)
+    drafter = ModelDrafter({"draft": runner}, FakeArena(), "draft", {})
+    seq, state = _seq(list(range(1, 6))), DraftState()
+    view = RoundView(seq.id, seq.tenant, seq.prompt_len, 0, seq.stats, 8)
+    drafter.propose([DraftWork(seq, state, 5, KeepRule(policy, view), 1000, 64)])
+    assert state.tokens == [7, 7]
+    assert [(s, len(c), d) for s, c, d in policy.seen] == [(seq.id, 1, 1), (seq.id, 2, 2)]
+    assert policy.seen[-1][1] == tuple(state.confidence) and 0 < state.confidence[0] < 1
+
+
 def test_lookup_proposes_from_the_context_and_stops_at_low_survival():
     drafter = LookupDrafter(LookupConfig(min_survival=0.3))
     seq = _seq([5, 6, 7, 8, 9, 1, 2, 5, 6, 7])
@@ -186,10 +212,6 @@ class FakeModel:
         pass
 
 
-def _keep(seq, drafted):
-    return True
-
-
 def _sources(proposed):
     return [p.source for p in proposed]
 
@@ -203,7 +225,7 @@ def test_hybrid_keeps_plain_when_the_draft_model_does_not_pay():
     model = FakeModel(cached=10)
     hybrid = _hybrid(_costs(draft_ms=40.0), model)  # a draft step dearer than a main step
     seq = _seq(list(range(10, 20)))  # nothing repeats: no lookup proposal
-    assert _sources(hybrid.propose([DraftJob(seq, "hybrid", 4, 8)], keep=_keep)) == ["plain"]
+    assert _sources(hybrid.propose([DraftJob(seq, "hybrid", 4, 8)])) == ["plain"]
     assert model.asked == []
 
 
@@ -229,11 +251,11 @@ def test_hybrid_drafts_with_a_cheap_model_and_prefers_a_strong_lookup():
     model = FakeModel(cached=10)
     hybrid = _hybrid(_costs(draft_ms=3.0), model)
     seq = _seq(list(range(10, 20)))
-    assert _sources(hybrid.propose([DraftJob(seq, "hybrid", 4, 8)], keep=_keep)) == ["draft"]
+    assert _sources(hybrid.propose([DraftJob(seq, "hybrid", 4, 8)])) == ["draft"]
     hybrid.release(seq)
     repeated = _seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4], seq_id=2)  # a 4-gram match
     model.cached_len = len(repeated.tokens)
-    used = _sources(hybrid.propose([DraftJob(repeated, "hybrid", 2, 8)], keep=_keep))
+    used = _sources(hybrid.propose([DraftJob(repeated, "hybrid", 2, 8)]))
     assert used == ["lookup"] and hybrid.state(repeated).tokens[:3] == [5, 6, 7]
 
 
@@ -350,7 +372,7 @@ def test_a_confident_lookup_runs_without_the_model(trust, used):
     seq = _seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2])
     model.cached_len = len(seq.tokens)
     assert hybrid.survivals(seq) == [] and _sources(hybrid.propose(
-        [DraftJob(seq, "hybrid", 4, 8)], keep=_keep)) == [used]
+        [DraftJob(seq, "hybrid", 4, 8)])) == [used]
     assert (model.asked == []) == (used == "lookup")
 
 
@@ -401,7 +423,7 @@ def test_a_backed_off_lookup_rests_on_exactly_the_skipped_rounds():
         expected = not reference.ready(seq.id)
         assert hybrid.resting(seq) == expected
         if not expected:
-            proposed = hybrid.propose([DraftJob(seq, "lookup", 0, 8)], keep=_keep)
+            proposed = hybrid.propose([DraftJob(seq, "lookup", 0, 8)])
             assert _sources(proposed) == ["plain"]
             reference.record(seq.id, kept=False)
     hybrid.state(seq).add(3, "lookup", None, 0.9)

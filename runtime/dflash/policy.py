@@ -12,7 +12,7 @@ never touches the executor. Per round it answers three questions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from dspark.runtime.errors import DSparkError
@@ -51,6 +51,21 @@ class WindowPolicy(Protocol):
     def observe(self, view: RoundView) -> None: ...
 
     def forget(self, seq_id: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class KeepRule:
+    """A sequence's per-token drafting rule for this round: its policy and its view, handed
+    to the draft model with the job, so the drafter asks the policy directly (no callback
+    into the planner)."""
+
+    policy: WindowPolicy
+    view: RoundView
+
+    def keep(self, confidence: list[float], drafted: int) -> bool:
+        """After `drafted` drafts with these pending confidences, draft one more?"""
+        return self.policy.keep_drafting(replace(self.view, confidence=tuple(confidence)),
+                                         drafted)
 
 
 class FixedWindow:

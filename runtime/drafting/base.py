@@ -17,10 +17,10 @@ token, its own confidence rule).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+from dspark.runtime.dflash.policy import KeepRule
 from dspark.runtime.drafting.state import DraftState
 from dspark.runtime.sequence.request import Sequence
 
@@ -32,7 +32,7 @@ class DraftWork:
     seq: Sequence
     state: DraftState
     window: int  # drafts wanted in the pending buffer by the end of the round
-    keep: Callable[[Sequence, int], bool] | None = None  # draft one more after j? (policy)
+    keep: KeepRule | None = None  # draft one more after j? (the sequence's policy)
     room: int = 1 << 30  # positions the sequence may fill in any pool (its reservation)
     catch_up: int = 1 << 30  # tokens a draft model reads per forward while catching up
 
@@ -47,6 +47,7 @@ class DraftJob(NamedTuple):
     at_end: bool = True  # the round's chunk reaches the sequence's end: drafts may follow
     room: int = 1 << 30  # positions the sequence may fill (its reservation)
     catch_up: int = 1 << 30  # tokens a draft model reads per forward while catching up
+    keep: KeepRule | None = None  # the policy's per-token rule for the draft model
 
 
 class Proposed(NamedTuple):
@@ -63,8 +64,7 @@ class Drafting(Protocol):
 
     def resting(self, seq: Sequence) -> bool: ...
 
-    def propose(self, jobs: list[DraftJob], keep: Callable[[Sequence, int], bool]
-                ) -> list[Proposed]: ...
+    def propose(self, jobs: list[DraftJob]) -> list[Proposed]: ...
 
     def state(self, seq: Sequence) -> DraftState: ...
 

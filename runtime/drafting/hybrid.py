@@ -17,8 +17,6 @@ place where verification's outcome reaches the drafters (statistics, calibration
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from dspark.runtime.dflash.source import STEADY_BEHIND, SourceChooser
 from dspark.runtime.drafting.base import DraftJob, DraftWork, Proposed
 from dspark.runtime.drafting.lookup import LookupDrafter
@@ -26,7 +24,6 @@ from dspark.runtime.drafting.model import ModelDrafter
 from dspark.runtime.drafting.state import DraftState, settle
 from dspark.runtime.sequence.request import Sequence
 
-Keep = Callable[[Sequence, int], bool]
 FORCED = "grammar"  # the source name of forced drafts
 
 
@@ -109,7 +106,7 @@ class HybridDrafter:
         n = len(st) if count is None else count
         return self.chooser.survivals(seq.id, st.sources[:n], st.confidence[:n])
 
-    def propose(self, jobs: list[DraftJob], keep: Keep) -> list[Proposed]:
+    def propose(self, jobs: list[DraftJob]) -> list[Proposed]:
         """Fill each job's pending drafts; per job the source used (plain, lookup, draft or
         lookup+draft; held drafts count as what proposed them) and its lookup cap, raised to
         take a grammar's forced tokens. A grammar's sequence starts from the tokens it
@@ -121,7 +118,7 @@ class HybridDrafter:
                                        len(self.state(j.seq)) + caps[j.seq.id])
                              for j in jobs if j.seq.id in caps])
         model_work = []
-        for seq, method, window, _, _, room, catch_up in jobs:
+        for seq, method, window, _, _, room, catch_up, keep in jobs:
             st = self.state(seq)
             if method != "draft":  # pending drafts that would not pay their verify go
                 before = len(st)

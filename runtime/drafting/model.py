@@ -148,7 +148,7 @@ class ModelDrafter:
                                     time.perf_counter() - t0, len(chunks))
             role = DRAFT_STEP
             active = [w for w in live if w.window > len(w.state)
-                      and (w.keep is None or w.keep(w.seq, len(w.state)))]
+                      and (w.keep is None or w.keep.keep(w.state.confidence, len(w.state)))]
 
     def cached(self, seq: Sequence) -> int:
         """Tokens of `tokens + pending` the sequence's draft cache holds (0: none yet)."""

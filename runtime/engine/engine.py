@@ -80,7 +80,6 @@ class Engine:
         self.drafting: Drafting = HybridDrafter(LookupDrafter(self.config.drafting.lookup),
                                       _model_drafter(self, bundle),
                                       SourceChooser(self.config.drafting, self.costs))
-        self.keep = self.planner.keep_drafting(self.drafting)
         self.eos_ids = frozenset(eos_ids)
         self.decode = decode
         self.grammars = grammars
@@ -171,8 +170,9 @@ class Engine:
                                   self.plan.max_seq_len)
         proposed = self.drafting.propose(
             [DraftJob(s.seq, s.method, s.window, s.lookup, s.finishes_prompt,
-                      min(self.scheduler.reserved.get(s.seq.id, 0) * block, limit), catch_up)
-             for s in jobs], self.keep)
+                      min(self.scheduler.reserved.get(s.seq.id, 0) * block, limit), catch_up,
+                      self.planner.keep_rule(s.seq) if s.method != "lookup" else None)
+             for s in jobs])
         slots = {s.seq.id: s.but(source=p.source, lookup=p.lookup)
                  for s, p in zip(jobs, proposed)}
         return plan.with_slots(slots.get(s.seq.id, s) for s in plan)

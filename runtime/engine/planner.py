@@ -28,7 +28,7 @@ from __future__ import annotations
 from dspark.runtime.bundle.config import DFlashConfig
 from dspark.runtime.dflash.goodput import select_slots
 from dspark.runtime.dflash.policies import make_policy
-from dspark.runtime.dflash.policy import RoundView, WindowPolicy
+from dspark.runtime.dflash.policy import KeepRule, RoundView, WindowPolicy
 from dspark.runtime.dflash.ras import ResourceManager
 from dspark.runtime.dflash.vlb import VerifyBalancer
 from dspark.runtime.drafting.base import Drafting
@@ -144,12 +144,9 @@ class WindowPlanner:
             slots[s.seq.id].but(window=min(cap, slots[s.seq.id].window))
             if s.seq.id in slots else s for s in plan)
 
-    def keep_drafting(self, drafting: Drafting):
-        """The policy's per-token rule for the model drafter, fed the pending confidences."""
-        def keep(seq: Sequence, drafted: int) -> bool:
-            view = self.view(seq, drafting.state(seq).confidence)
-            return self.policy(seq.tenant).keep_drafting(view, drafted)
-        return keep
+    def keep_rule(self, seq: Sequence) -> KeepRule:
+        """The sequence's per-token drafting rule this round, carried by its DraftJob."""
+        return KeepRule(self.policy(seq.tenant), self.view(seq))
 
     def balance(self, plan: RoundPlan, drafting: Drafting) -> RoundPlan:
         """How many pending drafts each slot verifies."""
