@@ -201,7 +201,7 @@ def _request(state: ServerState, body: GenerationParams, ids: list[int], tenant:
         body.stops(), speculative=body.speculative_decoding, max_window=spec.max_window,
         tenant=tenant, draft_model=draft_role(spec.draft_model, limits)
         if spec.draft_model is not None else None, method=spec.method, grammar=grammar)
-    return request  # validated once, at the engine service's door
+    return request  # validated once, at the engine's door (Engine.submit)
 
 
 async def _generate(state: ServerState, body, ids: list[int], kind: str, request: Request,
@@ -217,13 +217,20 @@ async def _generate(state: ServerState, body, ids: list[int], kind: str, request
         grammar = await _grammar(state, body)
         gen = _request(state, body, ids, tenant, prompt_param, grammar)
         handle = state.service.submit(gen)
+        admitted = await _admitted(state, handle, request)
     except RequestError as e:  # named as the client sent it (messages, not prompt)
         state.metrics.request(endpoint, "rejected")
         param = prompt_param if e.param == "prompt" else e.param
         raise APIError(400, str(e), param=param, code=e.code) from None
+    except asyncio.CancelledError:
+        state.metrics.request(endpoint, "cancelled")
+        raise
     except Exception:
         state.metrics.request(endpoint, "rejected")
         raise
+    if not admitted:
+        state.metrics.request(endpoint, "cancelled")
+        return Response(status_code=499)
     meta = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}",
             "created": int(time.time()), "model": state.model_id}
     decode = state.tokenizer.decode if state.tokenizer else (lambda t: "")
@@ -251,6 +258,22 @@ async def _generate(state: ServerState, body, ids: list[int], kind: str, request
     return {**meta, "object": "chat.completion" if kind == "chat" else "text_completion",
             "choices": [choice], "usage": _usage(seq),
             "speculative_decoding_stats": seq.stats.summary()}
+
+
+async def _admitted(state: ServerState, handle: Handle, request: Request) -> bool:
+    """Wait for the engine's door (Engine.submit validates: a RequestError raises here);
+    False: the client left first (the request is cancelled)."""
+    while True:
+        try:
+            await asyncio.wait_for(asyncio.shield(handle.admitted), DISCONNECT_POLL_S)
+            return True
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                state.service.cancel(handle)
+                return False
+        except asyncio.CancelledError:  # the handler itself was cancelled (a relay's client)
+            state.service.cancel(handle)
+            raise
 
 
 async def _wait(state: ServerState, handle: Handle, request: Request) -> Sequence | None:

@@ -1,8 +1,12 @@
 """The engine in its own thread; requests reach it through a queue, tokens come back to the
 event loop through each request's asyncio queue. Nothing here blocks the event loop.
 
-    HTTP handler --submit()--> commands --engine thread: engine.step()--> handle.events
-                 <--await handle.events.get()-- (call_soon_threadsafe)
+    HTTP handler --submit()--> commands --engine thread: engine.submit(), engine.step()
+                 <--await handle.admitted-- the engine's door: validated, or a RequestError
+                 <--await handle.events.get()-- tokens (call_soon_threadsafe)
+
+A request is validated once, by Engine.submit on the engine thread; the handler awaits that
+answer (`admitted`) before it answers the client, so a bad request is still a 400.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from dspark.runtime.engine.engine import Engine
 from dspark.runtime.engine.snapshot import EngineGauges, StepReport
 from dspark.runtime.errors import QueueFullError
 from dspark.runtime.sequence.request import GenerationRequest, Sequence
-from dspark.runtime.sequence.validate import validate
 
 log = logging.getLogger("dspark.server")
 IDLE_WAIT_S = 0.05
@@ -35,6 +38,7 @@ class Handle:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     seq: Sequence | None = None
     sent: int = 0  # tokens already announced
+    admitted: asyncio.Future | None = None  # the engine took it (its Sequence) or refused it
 
     def post(self, event: tuple) -> None:
         try:
@@ -69,14 +73,22 @@ class EngineService:
     def stop(self) -> None:
         self.stopping.set()
         self.thread.join(timeout=10)
+        while True:  # requests the engine never saw are refused, not left waiting
+            try:
+                kind, arg = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                _admit(arg, None, RuntimeError("the engine stopped before taking the request"))
 
     def submit(self, request: GenerationRequest) -> Handle:
-        """Queue a request (its shape was checked by the caller); 429 when the queue is full."""
+        """Queue a request; 429 when the queue is full. `await handle.admitted` tells whether
+        the engine took it (Engine.submit validates it: a RequestError otherwise)."""
         waiting = self.commands.qsize() + self.snapshot.waiting
         if waiting >= self.max_queue:
             raise QueueFullError(f"{waiting} requests are waiting (limit {self.max_queue})")
-        validate(request, self.snapshot.limits)
-        handle = Handle(request, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        handle = Handle(request, loop, admitted=loop.create_future())
         self.commands.put(("submit", handle))
         return handle
 
@@ -134,7 +146,9 @@ class EngineService:
                 arg.seq = self.engine.submit(arg.request)
                 self.handles[arg.seq.id] = arg
             except Exception as e:  # noqa: BLE001 - reported to the handler
-                arg.post(("error", e))
+                _admit(arg, None, e)
+            else:
+                _admit(arg, arg.seq, None)
         elif kind == "cancel":
             if arg.seq is not None and not arg.seq.done:
                 self.engine.cancel(arg.seq)
@@ -171,6 +185,13 @@ class EngineService:
                 self.engine.cancel(handle.seq)
             handle.post(("error", error))
         self.handles.clear()
+
+
+def _admit(handle: Handle, seq: Sequence | None, error: Exception | None) -> None:
+    try:
+        handle.loop.call_soon_threadsafe(_settle, handle.admitted, seq, error)
+    except RuntimeError:  # its event loop is closed: nobody is left to read the answer
+        pass
 
 
 def _settle(future: asyncio.Future, result, error) -> None:
