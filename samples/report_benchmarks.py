@@ -3,8 +3,9 @@
     make benchmarks       # runs every benchmark below into build/reports/, then this
     python samples/report_benchmarks.py [--reports build/reports] [--out docs/benchmarks.md]
 
-The page holds the current figures only, each table under the command that made it and the
-CPU it ran on; a report that is missing is listed as not run. Old figures live in git. The
+The page holds the current figures only, each table under the command that made it, the CPU
+it ran on and the revision it measured. A report that is missing keeps the page's section as
+it stands (a partial rerun erases nothing), or reads "not run". Old figures live in git. The
 README's results summary (between its RESULTS markers) is rewritten from the greedy peer run.
 """
 
@@ -102,7 +103,22 @@ TABLES = {"peers_greedy.json": peers_table, "peers_sampled.json": peers_table,
           "int4_kernels.json": int4_table, "gemma3_bench.json": bench_table}
 
 
-def render(folder: Path) -> str:
+def sections(page: str) -> dict[str, list[str]]:
+    """The body of each `## heading` section of a page written by render()."""
+    found, heading = {}, None
+    for line in page.splitlines():
+        if line.startswith("## "):
+            heading = line[3:]
+            found[heading] = []
+        elif heading is not None:
+            found[heading].append(line)
+    return found
+
+
+def render(folder: Path, current: str = "") -> str:
+    """The page from the reports in `folder`; `current`: the page as it stands, whose
+    sections stay where their report is missing."""
+    kept = sections(current)
     lines = ["# Benchmarks", "",
              "Current figures, written by `samples/report_benchmarks.py` from the JSON the "
              "benchmarks below write (`make benchmarks` runs them all). Only ratios measured "
@@ -112,7 +128,9 @@ def render(folder: Path) -> str:
         lines += [f"## {heading}", "", "    " + command, ""]
         path = folder / name
         if not path.exists():
-            lines += ["Not run for this page.", ""]
+            old = kept.get(heading, [])[3:]  # past the command and its blank lines
+            lines += old if any(line.startswith("|") for line in old) else [
+                "Not run for this page.", ""]
             continue
         report = json.loads(path.read_text())
         measured = f"measured at {report['revision']}" if report.get("revision") else (
@@ -167,7 +185,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     args = p.parse_args()
     tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(render(args.reports))
+    current = args.out.read_text() if args.out.exists() else ""
+    tmp.write_text(render(args.reports, current))
     tmp.rename(args.out)
     print(f"wrote {args.out}")
     if rewrite_readme(ROOT / "README.md", args.reports / "peers_greedy.json"):
