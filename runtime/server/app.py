@@ -24,7 +24,7 @@ from dspark.runtime.grammar.formats import response_format_grammar
 from dspark.runtime.sequence.request import GenerationRequest, Sequence
 from dspark.runtime.sequence.sampling import SamplingParams
 from dspark.runtime.sequence.validate import draft_role
-from dspark.runtime.server import errors, tool_calls
+from dspark.runtime.server import errors, tool_calls, waiting
 from dspark.runtime.server.auth import BearerAuth
 from dspark.runtime.server.body_limit import BodyLimit
 from dspark.runtime.server.errors import APIError
@@ -39,8 +39,6 @@ from dspark.runtime.server.protocol import (
 )
 from dspark.runtime.server.service import EngineService, Handle
 from dspark.runtime.server.streaming import TextStream
-
-DISCONNECT_POLL_S = 0.5
 
 
 @dataclass
@@ -217,7 +215,7 @@ async def _generate(state: ServerState, body, ids: list[int], kind: str, request
         grammar = await _grammar(state, body)
         gen = _request(state, body, ids, tenant, prompt_param, grammar)
         handle = state.service.submit(gen)
-        admitted = await _admitted(state, handle, request)
+        admitted = await waiting.admitted(state.service, handle, request)
     except RequestError as e:  # named as the client sent it (messages, not prompt)
         state.metrics.request(endpoint, "rejected")
         param = prompt_param if e.param == "prompt" else e.param
@@ -240,7 +238,7 @@ async def _generate(state: ServerState, body, ids: list[int], kind: str, request
                                       tool_calls.CallStream(tools)),
                                  media_type="text/event-stream")
     try:
-        seq = await _wait(state, handle, request)
+        seq = await waiting.finished(state.service, handle, request)
     except asyncio.CancelledError:
         state.metrics.request(endpoint, "cancelled")
         raise
@@ -258,40 +256,6 @@ async def _generate(state: ServerState, body, ids: list[int], kind: str, request
     return {**meta, "object": "chat.completion" if kind == "chat" else "text_completion",
             "choices": [choice], "usage": _usage(seq),
             "speculative_decoding_stats": seq.stats.summary()}
-
-
-async def _admitted(state: ServerState, handle: Handle, request: Request) -> bool:
-    """Wait for the engine's door (Engine.submit validates: a RequestError raises here);
-    False: the client left first (the request is cancelled)."""
-    while True:
-        try:
-            await asyncio.wait_for(asyncio.shield(handle.admitted), DISCONNECT_POLL_S)
-            return True
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                state.service.cancel(handle)
-                return False
-        except asyncio.CancelledError:  # the handler itself was cancelled (a relay's client)
-            state.service.cancel(handle)
-            raise
-
-
-async def _wait(state: ServerState, handle: Handle, request: Request) -> Sequence | None:
-    while True:
-        try:
-            event = await asyncio.wait_for(handle.events.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                state.service.cancel(handle)
-                return None
-            continue
-        except asyncio.CancelledError:  # the handler itself was cancelled (dsrun cluster's
-            state.service.cancel(handle)  # relay when its client goes, a forced shutdown)
-            raise
-        if event[0] == "error":
-            raise errors.server_error(event[1])
-        if event[2] is not None:
-            return handle.seq
 
 
 async def _sse(state: ServerState, handle: Handle, meta: dict, kind: str, decode,
