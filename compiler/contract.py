@@ -205,6 +205,11 @@ def _projection_width(g: onnx.GraphProto, name: str) -> int | None:
     producers = {o: n for n in g.node for o in n.output}
     dims = {t.name: list(t.dims) for t in g.initializer}
     node = producers.get(name)
+    while node is not None and node.op_type in PER_HEAD_NORM:  # a q/k norm per head
+        name = node.input[0]  # (Gemma 3 through genai's builder: Reshape, norm, Reshape)
+        node = producers.get(name)
+    if node is not None and node.op_type == "Split":  # q of a packed projection
+        return _split_width(g, node, list(node.output).index(name))
     if node is not None and node.op_type == "Add":  # a bias after the projection
         node = next((producers[i] for i in node.input if i in producers), None)
     if node is None:
@@ -214,3 +219,19 @@ def _projection_width(g: onnx.GraphProto, name: str) -> int | None:
     if node.op_type == "MatMul" and len(dims.get(node.input[1], [])) == 2:
         return dims[node.input[1]][1]
     return None
+
+
+PER_HEAD_NORM = ("Reshape", "SimplifiedLayerNormalization", "LayerNormalization",
+                 "RMSNormalization")
+
+
+def _split_width(g: onnx.GraphProto, split: onnx.NodeProto, index: int) -> int | None:
+    """The width of a Split's output `index`, from its sizes: an initializer, a Constant
+    node or (opset < 13) its attribute."""
+    given = split.input[1] if len(split.input) > 1 else ""
+    tensors = [t for t in g.initializer if t.name == given] + [
+        a.t for n in g.node if n.op_type == "Constant" and given in n.output
+        for a in n.attribute if a.name == "value"]
+    sizes = [int(v) for v in onnx.numpy_helper.to_array(tensors[0]).ravel()] if tensors else (
+        next((list(a.ints) for a in split.attribute if a.name == "split"), None))
+    return sizes[index] if sizes and index < len(sizes) else None

@@ -109,9 +109,13 @@ def build_fixtures(root: Path) -> dict[tuple[str, str], tuple[Path, Path]]:
 # onnxruntime-genai's builder output (python -m onnxruntime_genai.models.builder): name ->
 # (architecture, precision). llama: tied embeddings (int4: a GatherBlockQuantized embedding
 # and MatMulNBits without zero points); qwen2: layers 1-2 slide over 8 positions, kept in
-# window-sized caches (the builder's default for sliding layers)
+# window-sized caches (the builder's default for sliding layers); gemma3: 5 sliding layers of
+# 8, then a global one, a q/k norm per head between the packed projection's Split and the
+# GroupQueryAttention (built through samples/genai_builder.py, which hands the builder
+# transformers 5's per-layer-type rope in the form it reads)
 GENAI = {"llama-fp32": ("llama", "fp32"), "llama-int4": ("llama", "int4"),
-         "qwen2-fp32": ("qwen2", "fp32")}
+         "qwen2-fp32": ("qwen2", "fp32"), "gemma3-fp32": ("gemma3", "fp32")}
+GENAI_BUILDER = Path(__file__).resolve().parents[1] / "samples" / "genai_builder.py"
 
 
 def _genai_model(arch: str):
@@ -123,6 +127,8 @@ def _genai_model(arch: str):
                   initializer_range=0.25)
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True)).eval()
+    if arch == "gemma3":
+        return _model_class(arch)(_config(arch, MAIN_LAYERS[arch], "eager")).eval()
     return Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True,
                                         sliding_window=SLIDING_WINDOW, max_window_layers=1,
                                         tie_word_embeddings=False)).eval()
@@ -155,7 +161,7 @@ def build_genai_fixtures(root: Path) -> dict[str, Path]:
             _genai_model(arch).save_pretrained(str(hf))
             _genai_tokenizer(hf)
         tmp = out[name].with_suffix(".tmp")
-        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf),
+        subprocess.run([sys.executable, str(GENAI_BUILDER), "-i", str(hf),
                         "-o", str(tmp), "-p", precision, "-e", "cpu"], check=True,
                        capture_output=True)
         tmp.rename(out[name])

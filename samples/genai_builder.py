@@ -1,0 +1,34 @@
+"""onnxruntime-genai's model builder, run as `python -m onnxruntime_genai.models.builder` is,
+with one adaptation: transformers 5 gives Gemma 3 its rope as per-layer-type
+`rope_parameters` ({"full_attention": ..., "sliding_attention": ...}), which the builder
+(0.18) reads as one flat dict and `rope_local_base_freq`; they are handed over in that form.
+
+    python samples/genai_builder.py -i HF_FOLDER -o OUT -p fp32|int4 -e cpu
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+
+
+def _flat_rope(config):
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and "sliding_attention" in rope and "full_attention" in rope:
+        config.rope_local_base_freq = rope["sliding_attention"]["rope_theta"]
+        config.rope_parameters = dict(rope["full_attention"])
+    return config
+
+
+def main() -> None:
+    import transformers
+
+    load = transformers.AutoConfig.from_pretrained.__func__
+    transformers.AutoConfig.from_pretrained = classmethod(
+        lambda cls, *a, **k: _flat_rope(load(cls, *a, **k)))
+    sys.argv = ["onnxruntime_genai.models.builder", *sys.argv[1:]]
+    runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
