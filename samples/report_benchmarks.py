@@ -49,6 +49,12 @@ REPORTS = [
      "--systems dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default "
      "--json build/reports/peers_loaded_avx2.json",
      "Both at once: the AVX2 path and another process spinning on one core."),
+    ("peers_gemma3.json", "Gemma 3 270M against onnxruntime-genai",
+     "python samples/bench_peers.py --model gemma3 --repeats 2 "
+     "--json build/reports/peers_gemma3.json",
+     "The Gemma 3 sample and onnxruntime-genai's fp32 build of the same weights (also compiled "
+     "by dsc), on the base-model prompts of samples/prompts/base_prompts.jsonl, 128 new tokens, "
+     "interleaved; ratios to each system's own plain mode and to genai's fastest mode."),
     ("gemma3_bench.json", "Gemma 3 270M: speculation against plain decoding",
      "dsrun bench --model build/gemma3.dsmodel --prompts samples/prompts/base_prompts.jsonl "
      "--repeats 2 --json > build/reports/gemma3_bench.json",
@@ -99,7 +105,7 @@ def bench_table(report: dict) -> list[str]:
 
 TABLES = {"peers_greedy.json": peers_table, "peers_sampled.json": peers_table,
           "peers_loaded.json": peers_table, "peers_avx2.json": peers_table,
-          "peers_loaded_avx2.json": peers_table,
+          "peers_loaded_avx2.json": peers_table, "peers_gemma3.json": peers_table,
           "int4_kernels.json": int4_table, "gemma3_bench.json": bench_table}
 
 

@@ -55,7 +55,7 @@ def test_a_partial_benchmark_rerun_keeps_the_other_sections(tmp_path):
              "acceptance_rate": 0.5, "c": 0.3, "identical": True}]}))
     new = rb.sections(rb.render(tmp_path, page))
     old = rb.sections(page)
-    gemma = next(h for h in old if h.startswith("Gemma 3"))
+    gemma = next(h for h in old if h.startswith("Gemma 3 270M: speculation"))
     assert "| chat | 10.0 | 20.0 | 2.00x | 0.50 | 0.30 | yes |" in new[gemma]
     assert "CPU Test; measured at abc1234" in new[gemma]
     assert all(new[h] == old[h] for h in old if h != gemma)
