@@ -70,6 +70,9 @@ benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmark
 	DSPARK_CPU_ISA=avx2 $(BIN)/python samples/bench_peers.py --repeats 2 --background-load \
 	    --systems dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default \
 	    --json $(REPORTS)/peers_loaded_avx2.json
+	$(BIN)/python samples/bench_peers.py --repeats 2 --systems dsrun-optimum-plain \
+	    dsrun-optimum-default dsrun-fp32-plain dsrun-fp32-default genai-fp32-plain \
+	    genai-fp32-ngram --json $(REPORTS)/peers_optimum.json
 	$(BIN)/python samples/bench_peers.py --setup --model gemma3
 	$(BIN)/python samples/bench_peers.py --model gemma3 --repeats 2 --json $(REPORTS)/peers_gemma3.json
 	$(BIN)/python samples/bench_int4.py --json $(REPORTS)/int4_kernels.json

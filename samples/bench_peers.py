@@ -9,6 +9,8 @@ Systems (peer_workers.py), each in its own long-lived process, loaded and warmed
     dsrun-fp32-plain|default       the sample bundle (fp32 main, its 4-bit copy as draft)
     dsrun-q4-plain|default         the main on the GGUF's own grid (dsc quantize), lookup
     dsrun-genai4-plain|default     onnxruntime-genai's int4 build compiled by dsc, lookup
+    dsrun-optimum-plain|default    optimum's export compiled by dsc, the sample's draft
+                                   (not in the default set: --systems)
     genai-fp32|int4-plain|ngram    onnxruntime-genai, intra_op_num_threads = cores
     llama-f32-plain|draft|ngram    llama.cpp on an F32 copy of the GGUF (draft: the Q4_1 GGUF)
     llama-q4_1-plain|ngram         llama.cpp on the GGUF as downloaded

@@ -11,7 +11,8 @@
 - DSpark bundles beside build/smollm2.dsmodel (make demo): the main on the GGUF's own grid
   (`dsc quantize` of the fp32 main: 4-bit projections with mins, an 8-bit head), drafting by
   lookup and by its own 4-bit copy's first layers is not made here (see the README), and
-  onnxruntime-genai's int4 build compiled by dsc;
+  onnxruntime-genai's int4 build compiled by dsc, and optimum's export of the same weights
+  (build/peers/venv-optimum, optimum) compiled by dsc with the sample's draft;
 - with `--model gemma3`: genai's fp32 build of the Gemma 3 sample's weights
   (build/peers/gemma3-hf, gemma3-genai) and that build compiled by dsc
   (build/gemma3-genai.dsmodel), beside build/gemma3.dsmodel (samples/gemma3.py).
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,12 +34,15 @@ HF_DIR = PEERS / "hf"
 GENAI = {"fp32": PEERS / "genai", "int4": PEERS / "genai-int4", "gemma3": PEERS / "gemma3-genai"}
 GEMMA3_HF = PEERS / "gemma3-hf"
 BUILDER = ROOT / "samples" / "genai_builder.py"  # genai's builder, Gemma 3's rope adapted
+OPTIMUM_VENV = PEERS / "venv-optimum"  # optimum-onnx pins transformers 4
+OPTIMUM = PEERS / "optimum"  # its export of the SmolLM2 HF folder
 LLAMA = ROOT / "build" / "llamacpp"
 LLAMA_BIN = LLAMA / "build" / "bin"
 GGUF = {"q4_1": None, "f32": LLAMA / "SmolLM2-135M-Instruct.F32.gguf"}  # q4_1: the package's
 BUNDLES = {"fp32": ROOT / "build" / "smollm2.dsmodel",
            "q4": ROOT / "build" / "smollm2-q4.dsmodel",
            "genai4": ROOT / "build" / "smollm2-genai-int4.dsmodel",
+           "optimum": ROOT / "build" / "smollm2-optimum.dsmodel",
            "gemma3": ROOT / "build" / "gemma3.dsmodel",
            "gemma3genai": ROOT / "build" / "gemma3-genai.dsmodel"}
 PEER_PACKAGES = ["onnxruntime-genai", "onnx_ir", "onnxscript", "transformers", "onnx", "numpy"]
@@ -66,7 +71,34 @@ def setup(model: str = "smollm2") -> None:
         setup_genai()
         setup_llamacpp()
         setup_bundles()
+        setup_optimum()
     log("ready")
+
+
+def setup_optimum() -> None:
+    """optimum's export of the same SmolLM2 weights (`optimum-cli export onnx --task
+    text-generation-with-past`, in its own venv: it pins transformers 4, which reads
+    `rope_theta` where transformers 5 writes `rope_parameters`), compiled by dsc with the
+    sample's draft."""
+    if not (OPTIMUM_VENV / "bin" / "optimum-cli").exists():
+        log("creating the optimum venv ...")
+        run([sys.executable, "-m", "venv", OPTIMUM_VENV])
+        run([OPTIMUM_VENV / "bin" / "pip", "install", "--quiet", "torch==2.13.0",
+             "optimum-onnx", "onnxruntime"])
+    if not (OPTIMUM / "model.onnx").exists():
+        hf4 = PEERS / "hf-transformers4"
+        if not (hf4 / "config.json").exists():
+            shutil.copytree(HF_DIR, hf4, dirs_exist_ok=True)
+            config = json.loads((hf4 / "config.json").read_text())
+            config.setdefault("rope_theta", config.get("rope_parameters", {}).get("rope_theta"))
+            (hf4 / "config.json").write_text(json.dumps(config, indent=2))
+        log("exporting the HF folder with optimum ...")
+        run([OPTIMUM_VENV / "bin" / "optimum-cli", "export", "onnx", "--model", hf4, "--task",
+             "text-generation-with-past", OPTIMUM])
+    if not BUNDLES["optimum"].exists():
+        sample = ROOT / "build" / "smollm2"
+        run([Path(sys.executable).parent / "dsc", "compile", OPTIMUM / "model.onnx",
+             sample / "draft.onnx", "-o", BUNDLES["optimum"], "--tokenizer", sample, "--force"])
 
 
 def setup_gemma3() -> None:

@@ -49,6 +49,12 @@ REPORTS = [
      "--systems dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default "
      "--json build/reports/peers_loaded_avx2.json",
      "Both at once: the AVX2 path and another process spinning on one core."),
+    ("peers_optimum.json", "optimum's export of SmolLM2",
+     "python samples/bench_peers.py --repeats 2 --systems dsrun-optimum-plain "
+     "dsrun-optimum-default dsrun-fp32-plain dsrun-fp32-default genai-fp32-plain "
+     "genai-fp32-ngram --json build/reports/peers_optimum.json",
+     "optimum-cli's export of the same SmolLM2 weights compiled by dsc (with the sample's "
+     "draft), beside the sample bundle our recipe exports and onnxruntime-genai's fp32 build."),
     ("peers_gemma3.json", "Gemma 3 270M against onnxruntime-genai",
      "python samples/bench_peers.py --model gemma3 --repeats 2 "
      "--json build/reports/peers_gemma3.json",
@@ -106,6 +112,7 @@ def bench_table(report: dict) -> list[str]:
 TABLES = {"peers_greedy.json": peers_table, "peers_sampled.json": peers_table,
           "peers_loaded.json": peers_table, "peers_avx2.json": peers_table,
           "peers_loaded_avx2.json": peers_table, "peers_gemma3.json": peers_table,
+          "peers_optimum.json": peers_table,
           "int4_kernels.json": int4_table, "gemma3_bench.json": bench_table}
 
 
