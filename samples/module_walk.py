@@ -3,8 +3,9 @@
     python samples/module_walk.py [--model build/smollm2.dsmodel] [--steps 10]
 
 A module is "entered" when a function in it is called from another module (a call within
-the module does not count). The request runs a few steps first (prefill, warm costs), then
-the counts of the next --steps steps are averaged: a view of the seams a round crosses.
+the module does not count, nor does resuming a generator or comprehension it defines). The
+request runs a few steps first (prefill, warm costs), then the counts of the next --steps
+steps are averaged: a view of the seams a round crosses.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def walk(model: Path, steps: int) -> dict[str, float]:
 
     def entered(frame, event, _arg):
         name = frame.f_code.co_filename
-        if event == "call" and "/runtime/" in name and (
+        if event == "call" and "/runtime/" in name and frame.f_code.co_name[0] != "<" and (
                 frame.f_back is None or frame.f_back.f_code.co_filename != name):
             counts[name.split("/runtime/", 1)[1]] += 1
 

@@ -258,19 +258,19 @@ def test_lookup_backs_off_while_it_pays_nothing():
 
 
 def test_a_backed_off_lookup_rests_on_exactly_the_skipped_rounds():
-    """resting() (the planner's plain fast path) spends the round's skip: a sequence whose
-    lookups kept nothing rests on the rounds the back-off skips and looks up on the rest;
-    pending drafts never rest."""
+    """A lookup job whose sequence's lookups kept nothing rests (a plain round, no lookup
+    walked: its Proposed has lookup cap 0) on exactly the rounds the back-off skips, and
+    looks up on the rest; pending drafts never rest."""
     from dspark.runtime.drafting.hybrid import Backoff
 
     hybrid, reference = _hybrid(_costs()), Backoff()
     seq = _seq(list(range(10, 20)))  # nothing repeats: every lookup keeps nothing
     for _ in range(40):
-        expected = not reference.ready(seq.id)
-        assert hybrid.resting(seq) == expected
-        if not expected:
-            proposed = hybrid.propose([DraftJob(seq, "lookup", 0, 8)])
-            assert _sources(proposed) == ["plain"]
+        looks = reference.ready(seq.id)
+        proposed = hybrid.propose([DraftJob(seq, "lookup", 0, 8)])
+        assert _sources(proposed) == ["plain"]
+        assert proposed[0].lookup == (8 if looks else 0)
+        if looks:
             reference.record(seq.id, kept=False)
     hybrid.state(seq).add(3, "lookup", None, 0.9)
     assert not hybrid.resting(seq)

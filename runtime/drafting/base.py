@@ -51,24 +51,23 @@ class DraftJob(NamedTuple):
 
 
 class Proposed(NamedTuple):
+    """What the drafting proposed for one job: the round's pending drafts and what the
+    planner's balance reads of them."""
+
     source: str  # plain, lookup, draft or lookup+draft
-    lookup: int  # the lookup cap, raised to take a grammar's forced tokens
+    lookup: int  # the lookup cap, raised to take a grammar's forced tokens (0: rested)
+    pending: DraftState  # the sequence's pending drafts (read until settle)
+    survivals: tuple[float, ...] = ()  # calibrated, per pending draft, where a lookup proposed
 
 
 class Drafting(Protocol):
     """The round's drafting as the engine and the planner call it (drafting/hybrid.py):
-    per round `resting` (planning), `propose`, `state`/`survivals` (the verify's choice),
-    then `settle` with verification's outcome; `release` when a sequence ends."""
+    `propose` once per round (from the planner), `settle` with verification's outcome
+    (from the engine); `release` when a sequence ends."""
 
     default_draft: str | None  # the draft model role sequences use (None: none)
 
-    def resting(self, seq: Sequence) -> bool: ...
-
     def propose(self, jobs: list[DraftJob]) -> list[Proposed]: ...
-
-    def state(self, seq: Sequence) -> DraftState: ...
-
-    def survivals(self, seq: Sequence, count: int | None = None) -> list[float]: ...
 
     def settle(self, seq: Sequence, old_len: int, verified: int, accepted: int,
                main_token: int, seconds: float) -> None: ...

@@ -108,10 +108,27 @@ class HybridDrafter:
 
     def propose(self, jobs: list[DraftJob]) -> list[Proposed]:
         """Fill each job's pending drafts; per job the source used (plain, lookup, draft or
-        lookup+draft; held drafts count as what proposed them) and its lookup cap, raised to
-        take a grammar's forced tokens. A grammar's sequence starts from the tokens it
-        forces (free drafts), and its drafts end at the first one the grammar forbids."""
-        jobs = [self._force(job) for job in jobs]
+        lookup+draft; held drafts count as what proposed them), its lookup cap, raised to
+        take a grammar's forced tokens, and the pending drafts. A grammar's sequence starts
+        from the tokens it forces (free drafts), and its drafts end at the first one the
+        grammar forbids. A lookup job whose lookups are backed off (`resting`) is a plain
+        round with no drafting work at all: at int4 speeds the drafting path's bookkeeping
+        alone cost ~1%."""
+        rested = {j.seq.id for j in jobs if j.method == "lookup" and j.seq.constraint is None
+                  and self.resting(j.seq)}
+        working = [self._force(j) for j in jobs if j.seq.id not in rested]
+        self._fill(working)
+        done = {j.seq.id: j for j in working}
+        return [self._proposed(done[j.seq.id]) if j.seq.id in done
+                else Proposed("plain", 0, self.state(j.seq)) for j in jobs]
+
+    def _proposed(self, job: DraftJob) -> Proposed:
+        st = self.state(job.seq)
+        survivals = tuple(self.survivals(job.seq)) if "lookup" in st.sources else ()
+        return Proposed(self._used(st), job.lookup, st, survivals)
+
+    def _fill(self, jobs: list[DraftJob]) -> None:
+        """The lookup's drafts, those not worth their verify dropped, then the model's."""
         caps = {j.seq.id: j.lookup for j in jobs if j.method != "draft" and j.lookup
                 and self.backoff.ready(j.seq.id)}
         self.lookup.propose([DraftWork(j.seq, self.state(j.seq),
@@ -135,7 +152,6 @@ class HybridDrafter:
         for j in jobs:
             if j.seq.constraint is not None:
                 self.truncate(j.seq, j.seq.constraint.valid_prefix(self.state(j.seq).tokens))
-        return [Proposed(self._used(self.state(j.seq)), j.lookup) for j in jobs]
 
     def _force(self, job: DraftJob) -> DraftJob:
         """A grammar's forced tokens become pending drafts when nothing is pending and the

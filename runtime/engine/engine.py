@@ -1,9 +1,10 @@
 """The engine: continuous batching with speculative decoding, one batch per step.
 
-    step: plan (scheduler: who runs, prompt chunks; planner: method and windows)
-          -> propose (drafters fill each sequence's pending drafts)
-          -> balance (how many drafts the verify checks) -> verify w+1 in one main forward
-          -> accept (pure function) -> commit (main and draft caches) -> emit -> retire
+    step: plan (scheduler: who runs, prompt chunks; planner: method and windows
+                -> the drafting's propose -> how many drafts the verify checks)
+          -> verify w+1 in one main forward -> accept (pure function)
+          -> commit (main cache; the drafting's settle; the policies observe) -> emit
+          -> retire
 Prefill is not a separate phase: prompt chunks ride in the verify forward with everyone's
 drafts; the draft model catches up in its first forward of a later round. Maintenance
 (config reload, cache health, resources) runs between steps.
@@ -27,7 +28,7 @@ from dspark.runtime.dflash.ras import ResourceManager, probe_device
 from dspark.runtime.dflash.reload import ConfigSource, ConfigWatcher
 from dspark.runtime.dflash.source import SourceChooser
 from dspark.runtime.dflash.vlb import VerifyBalancer
-from dspark.runtime.drafting.base import Drafting, DraftJob
+from dspark.runtime.drafting.base import Drafting
 from dspark.runtime.drafting.hybrid import HybridDrafter
 from dspark.runtime.drafting.lookup import LookupDrafter
 from dspark.runtime.drafting.model import ModelDrafter
@@ -123,11 +124,11 @@ class Engine:
         self.maintain()
         for seq in self.scheduler.admit():
             self.arena.add_sequence(seq.id)
-        plan = self.planner.plan(self.scheduler.plan_step(), self.drafting)
+        scheduled = self.scheduler.plan_step()
+        t0 = time.perf_counter()  # the round's planning, drafting and verify
+        plan = self.planner.plan(scheduled, self.drafting)
         if not plan:
             return StepReport()
-        t0 = time.perf_counter()
-        plan = self.planner.balance(self._propose(plan), self.drafting)
         logits, verify_ms = self._verify(plan)
         seconds = time.perf_counter() - t0
         rounds = []
@@ -164,19 +165,6 @@ class Engine:
             self.arena.delta_log = not self.resources.degraded
             self.drafting.use_draft(self.resources.draft)  # from each sequence's next round
 
-    def _propose(self, plan: RoundPlan) -> RoundPlan:
-        jobs = [s for s in plan if s.method != "plain"]
-        catch_up, block, limit = (self.scheduler.prefill_tokens, self.plan.block_size,
-                                  self.plan.max_seq_len)
-        proposed = self.drafting.propose(
-            [DraftJob(s.seq, s.method, s.window, s.lookup, s.finishes_prompt,
-                      min(self.scheduler.reserved.get(s.seq.id, 0) * block, limit), catch_up,
-                      self.planner.keep_rule(s.seq) if s.method != "lookup" else None)
-             for s in jobs])
-        slots = {s.seq.id: s.but(source=p.source, lookup=p.lookup)
-                 for s, p in zip(jobs, proposed)}
-        return plan.with_slots(slots.get(s.seq.id, s) for s in plan)
-
     def _verify(self, plan: RoundPlan) -> tuple[list[np.ndarray], float]:
         """One main forward: prompt chunks, uncached tokens and the verified drafts; the
         logits rows per sequence and the forward's milliseconds."""
@@ -184,7 +172,7 @@ class Engine:
         for s in plan:
             seq = s.seq
             feed = seq.tokens[seq.main_cached:seq.main_cached + s.chunk]
-            drafts = self.drafting.state(seq).tokens[:s.verify] if s.finishes_prompt else []
+            drafts = s.pending.tokens[:s.verify] if s.finishes_prompt else []
             chunks.append((seq.id, seq.main_cached, feed + drafts))
             rows.append(s.verify + 1 if s.finishes_prompt else 0)
         self.health.observe_batch([s.seq.id for s in plan])
@@ -203,7 +191,7 @@ class Engine:
         if not len(logits):  # a prompt chunk: the cache grew, nothing to emit yet
             seq.main_cached += slot.chunk
             return None
-        pending = self.drafting.state(seq)
+        pending = slot.pending
         sources = tuple(pending.sources[:slot.verify])
         result = accept(seq, pending, slot.verify, logits)
         if seq.constraint is not None:

@@ -3,8 +3,6 @@
     plan      method (request, else config; hybrid means lookup on a draftless bundle),
               model window = the tenant's window policy within every cap, lowered by VLB's
               batch cap; lookup cap = the lookup's max within the request/tenant caps.
-              A lookup slot whose lookups are backed off (Drafting.resting) stays
-              plain: at int4 speeds the drafting path's bookkeeping alone cost ~1%.
               A hybrid slot's model window is the most the hybrid may draft; its cost
               model picks how many (0 included). Under an adaptive policy it is at least
               a floor: DWC's late window is small on a 2-core CPU (its rules scaled to the
@@ -17,6 +15,8 @@
               symmetric int4 draft (69-76% held) the whole cap measured chat and code -7%
               sampled (edit +5%, greedy -1-3%), as it over-predicts long windows (the most
               optimistic of noisy estimates wins).
+    propose   the drafting's one call of the round (DraftJob per slot, each with its keep
+              rule: the policy's per-token rule for the draft model)
     balance   VLB's fast + steady lanes; then, where the policy models survival (goodput) or
               a lookup proposed, the slots across the batch that maximise expected tokens
               per second of the verify (select_slots)
@@ -31,7 +31,7 @@ from dspark.runtime.dflash.policies import make_policy
 from dspark.runtime.dflash.policy import KeepRule, RoundView, WindowPolicy
 from dspark.runtime.dflash.ras import ResourceManager
 from dspark.runtime.dflash.vlb import VerifyBalancer
-from dspark.runtime.drafting.base import Drafting
+from dspark.runtime.drafting.base import Drafting, DraftJob
 from dspark.runtime.engine.round_plan import RoundPlan, Slot
 from dspark.runtime.model.costs import CostModel
 from dspark.runtime.sequence.request import Sequence
@@ -121,15 +121,29 @@ class WindowPlanner:
             method = self.resources.row.method
         return "lookup" if method == "hybrid" and not self.has_model else method
 
-    def plan(self, plan: RoundPlan, drafter: Drafting) -> RoundPlan:
+    def plan(self, plan: RoundPlan, drafting: Drafting) -> RoundPlan:
+        """The round before its verify: each slot's method and windows, the drafts the
+        drafting proposes for them (its one call this round), and how many the verify
+        checks."""
+        planned = self._windows(plan)
+        jobs = [s for s in planned if s.method != "plain"]
+        proposed = drafting.propose([
+            DraftJob(s.seq, s.method, s.window, s.lookup, s.finishes_prompt, s.room,
+                     s.catch_up, self._keep_rule(s.seq) if s.method != "lookup" else None)
+            for s in jobs])
+        filled = {s.seq.id: (s.but(source=p.source, lookup=p.lookup, pending=p.pending),
+                             p.survivals) for s, p in zip(jobs, proposed)}
+        return self._balance(planned.with_slots(
+            filled[s.seq.id][0] if s.seq.id in filled else s for s in planned),
+            {i: survivals for i, (_, survivals) in filled.items()})
+
+    def _windows(self, plan: RoundPlan) -> RoundPlan:
         drafting = [s for s in plan if not s.seq.prefilling and s.seq.request.speculative]
         for policy in self.policies.values():
             policy.begin_round(len(drafting))
         slots = {}
         for s in drafting:
             method = self.method(s.seq)
-            if method == "lookup" and s.seq.constraint is None and drafter.resting(s.seq):
-                continue  # a plain round, with no drafting work at all
             window = 0
             if method != "lookup":
                 window = self.policy(s.seq.tenant).window(self.view(s.seq))
@@ -144,33 +158,34 @@ class WindowPlanner:
             slots[s.seq.id].but(window=min(cap, slots[s.seq.id].window))
             if s.seq.id in slots else s for s in plan)
 
-    def keep_rule(self, seq: Sequence) -> KeepRule:
+    def _keep_rule(self, seq: Sequence) -> KeepRule:
         """The sequence's per-token drafting rule this round, carried by its DraftJob."""
         return KeepRule(self.policy(seq.tenant), self.view(seq))
 
-    def balance(self, plan: RoundPlan, drafting: Drafting) -> RoundPlan:
-        """How many pending drafts each slot verifies."""
+    def _balance(self, plan: RoundPlan, survivals: dict[int, tuple[float, ...]]) -> RoundPlan:
+        """How many pending drafts each slot verifies; `survivals`: the drafting's
+        calibrated ones by sequence, where a lookup proposed."""
         slots = [s.but(verify=self.balancer.admit(
-            min(len(drafting.state(s.seq)), max(s.window, s.lookup)))) for s in plan]
-        chosen = [i for i, s in enumerate(slots) if s.verify and self._selects(s, drafting)]
+            min(len(s.pending), max(s.window, s.lookup)))) for s in plan]
+        chosen = [i for i, s in enumerate(slots) if s.verify and self._selects(s)]
         if chosen:
-            survival = [self._survival(slots[i], drafting) for i in chosen]
+            survival = [self._survival(slots[i], survivals.get(slots[i].seq.id, ()))
+                        for i in chosen]
             keep = select_slots(survival, sum(s.chunk for s in slots), self.costs)
             for i, k in zip(chosen, keep):
                 slots[i] = slots[i].but(verify=k)
         return plan.with_slots(slots)
 
-    def _selects(self, slot: Slot, drafting: Drafting) -> bool:
-        sources = drafting.state(slot.seq).sources[:slot.verify]
-        return "lookup" in sources or self.policy(slot.seq.tenant).survival(
-            self.view(slot.seq, drafting.state(slot.seq).confidence), 1) is not None
+    def _selects(self, slot: Slot) -> bool:
+        return "lookup" in slot.pending.sources[:slot.verify] or self.policy(
+            slot.seq.tenant).survival(self.view(slot.seq, slot.pending.confidence), 1) is not None
 
-    def _survival(self, slot: Slot, drafting: Drafting) -> list[float]:
-        seq, state = slot.seq, drafting.state(slot.seq)
-        policy, view = self.policy(seq.tenant), self.view(seq, state.confidence)
+    def _survival(self, slot: Slot, drafting: tuple[float, ...]) -> list[float]:
+        seq, state = slot.seq, slot.pending
         if "lookup" not in state.sources[:slot.verify]:
+            policy, view = self.policy(seq.tenant), self.view(seq, state.confidence)
             return [policy.survival(view, j) for j in range(1, slot.verify + 1)]
-        return drafting.survivals(seq, slot.verify)
+        return list(drafting[:slot.verify])
 
     def observe(self, seq: Sequence) -> None:
         self.policy(seq.tenant).observe(self.view(seq))

@@ -1,8 +1,10 @@
 """What one engine step does, per sequence: an immutable plan the stages fill in turn.
 
-    scheduler    which sequences run, and each one's prompt chunk (uncached tokens fed)
+    scheduler    which sequences run, each one's prompt chunk (uncached tokens fed) and the
+                 room its reservation gives
     planner      the drafting method and windows (window policy, caps, VLB's batch cap)
-    drafting     which source actually proposed (plain, lookup, draft, lookup+draft)
+    drafting     which source actually proposed (plain, lookup, draft, lookup+draft), and
+                 the pending drafts themselves
     balancer     how many pending drafts the verify forward checks (VLB, slot selection)
 Each stage returns a new plan (`with_slots`); nothing per-round is kept on the Sequence.
 """
@@ -10,20 +12,27 @@ Each stage returns a new plan (`with_slots`); nothing per-round is kept on the S
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from dspark.runtime.drafting.state import DraftState
 from dspark.runtime.sequence.request import Sequence
+
+UNBOUNDED = 1 << 30
 
 
 @dataclass(frozen=True)
 class Slot:
     seq: Sequence
     chunk: int  # uncached tokens fed to the main model this round
+    room: int = UNBOUNDED  # positions the sequence may fill in any pool (its reservation)
+    catch_up: int = UNBOUNDED  # tokens a draft model reads per forward while catching up
     method: str = "plain"  # hybrid, lookup, draft, or plain
     window: int = 0  # model drafts wanted in the pending buffer
     lookup: int = 0  # lookup drafts wanted
     source: str = "plain"  # what proposed this round's pending drafts
     verify: int = 0  # pending drafts the verify forward checks
+    pending: DraftState = field(default_factory=DraftState)  # the drafting's buffer: read
+    # by the verify and acceptance, changed only by the drafting's settle after them
 
     @property
     def finishes_prompt(self) -> bool:

@@ -69,11 +69,12 @@ class Scheduler:
         return admitted
 
     def plan_step(self) -> RoundPlan:
-        """The running sequences that advance this step, with their prompt chunks."""
+        """The running sequences that advance this step, with their prompt chunks and the
+        room each one's reservation gives."""
         self.steps += 1
         prefilling = sorted((s for s in self.running if s.prefilling), key=self._urgency)
-        budget = self.prefill_tokens
-        slots = [Slot(s, s.uncached) for s in self.running if not s.prefilling]
+        catch_up = budget = self.prefill_tokens
+        slots = [self._slot(s, s.uncached, catch_up) for s in self.running if not s.prefilling]
         shared = self.shared
         for seq in prefilling:
             chunk = min(seq.uncached, budget)
@@ -82,8 +83,12 @@ class Scheduler:
                 chunk = 0  # a short prompt runs this step alone with the decoders
             budget -= chunk
             if chunk:
-                slots.append(Slot(seq, chunk))
+                slots.append(self._slot(seq, chunk, catch_up))
         return RoundPlan(tuple(slots))
+
+    def _slot(self, seq: Sequence, chunk: int, catch_up: int) -> Slot:
+        room = min(self.reserved.get(seq.id, 0) * self.plan.block_size, self.plan.max_seq_len)
+        return Slot(seq, chunk, room, catch_up)
 
     @property
     def shared(self) -> bool:
