@@ -1,5 +1,5 @@
-"""The drafting protocols: Drafting (what the engine calls each round, drafting/hybrid.py)
-and Drafter (one source of drafts: the lookup, a draft model).
+"""The drafting protocols: Drafting (what the planner and the engine call each round,
+drafting/hybrid.py) and Drafter (one source of drafts: the lookup, a draft model).
 
 A drafter proposes draft tokens for the sequences of a round, appending them to each
 sequence's `DraftState` (main ids), and owns whatever per-sequence state it needs (a draft
