@@ -2,7 +2,7 @@
 keep speed and outputs? (bench_peers' driver; each revision's workers in their own process.)
 
     python samples/bench_revisions.py BASE_REV [--repeats 5] [--temperature 0]
-                                      [--systems dsrun-fp32-default ...]
+                                      [--systems dsrun-fp32-default ...] [--prompt-file F]
 
 BASE_REV is checked out once into build/revisions/<rev> (a git worktree); its workers import
 dspark from there (PYTHONPATH over a folder of links named as the package maps them), this
@@ -51,6 +51,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--systems", nargs="+", default=SYSTEMS)
+    p.add_argument("--prompt-file", type=Path, default=bp.PROMPTS,
+                   help="jsonl of name, class, chat (default: the peer prompts)")
     args = p.parse_args()
     path = str(checkout(args.base))
     cmd, env = bp.worker_cmd, bp.worker_env
@@ -60,7 +62,7 @@ def main() -> None:
     systems = args.systems
     args.systems = [x for s in systems for x in (s, OLD + s)]
     args.background_load = args.peer_hugepages = False
-    prompts = bp.prompt_ids(bp.PROMPTS)
+    prompts = bp.prompt_ids(args.prompt_file)
     os.environ["DSPARK_PEER_PROMPTS"] = json.dumps(prompts)
     head = bp.revision()
     runs = bp.drive(args, len(prompts))
