@@ -16,9 +16,8 @@ and an eight-token forward at no context and at a long one) and fills the table 
 The context term is what keeps the table's sizes comparable. SmolLM2 int4 on 2 cores,
 1 / 2 / 4 / 8 tokens: 3.9 / 4.5 / 4.6 / 5.4 ms at 8 cached positions, 6.3 / 7.5 / 9.5 /
 14.3 ms at 900. Without it the one-token row, updated by every plain step at the current
-context, drifted above the multi-token rows the warm-up left at none: at a few hundred
-positions a 4-token verify was priced below a decode, and lookups that missed were
-verified anyway (chat prompts: 0.97x of plain).
+context, drifted above the multi-token rows the warm-up left at none: past ~600 positions
+a 4-token verify was priced below a decode, until lookup rounds had corrected its row.
 
 Draft forwards have two rows: "draft" for a round's first (it follows a main forward, whose
 weights pushed the draft's state out of the caches, and reads any catch-up tokens) and
