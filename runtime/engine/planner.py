@@ -131,11 +131,11 @@ class WindowPlanner:
             DraftJob(s.seq, s.method, s.window, s.lookup, s.finishes_prompt, s.room,
                      s.catch_up, self._keep_rule(s.seq) if s.method != "lookup" else None)
             for s in jobs])
-        filled = {s.seq.id: (s.but(source=p.source, lookup=p.lookup, pending=p.pending),
-                             p.survivals) for s, p in zip(jobs, proposed)}
-        return self._balance(planned.with_slots(
-            filled[s.seq.id][0] if s.seq.id in filled else s for s in planned),
-            {i: survivals for i, (_, survivals) in filled.items()})
+        filled = {s.seq.id: s.but(source=p.source, lookup=p.lookup, pending=p.pending)
+                  for s, p in zip(jobs, proposed)}
+        survivals = {s.seq.id: p.survivals for s, p in zip(jobs, proposed)}
+        return self._balance(planned.with_slots(filled.get(s.seq.id, s) for s in planned),
+                             survivals)
 
     def _windows(self, plan: RoundPlan) -> RoundPlan:
         drafting = [s for s in plan if not s.seq.prefilling and s.seq.request.speculative]
