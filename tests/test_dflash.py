@@ -13,7 +13,6 @@ from test_kv_arena import arena  # noqa: F401 - the fixture
 from dspark.runtime.bundle.config import (
     CacheHealthConfig,
     DFlashConfig,
-    DraftingConfig,
     VerifyBalanceConfig,
     WindowConfig,
 )
@@ -23,7 +22,6 @@ from dspark.runtime.dflash.goodput import select_slots
 from dspark.runtime.dflash.policies import make_policy
 from dspark.runtime.dflash.policy import RoundView
 from dspark.runtime.dflash.reload import ConfigWatcher
-from dspark.runtime.dflash.source import SourceChooser
 from dspark.runtime.dflash.vlb import VerifyBalancer
 from dspark.runtime.errors import DSparkError
 from dspark.runtime.model.costs import AFTER_DRAFT, CostModel
@@ -108,39 +106,6 @@ def test_cost_table_keeps_a_verify_window_as_measured():
     assert costs.after_draft(3) == pytest.approx(0.0222)
     assert costs.after_draft(2) == pytest.approx(0.0222)  # below its smallest: that one
     assert costs.after_draft(5) == costs.seconds("main", 5)  # not extrapolated past it
-
-
-def test_the_context_a_forward_reads_is_priced_apart_from_its_tokens():
-    """A forward after C cached positions costs its size's row plus C (r + p T): a decode
-    recorded at a long context leaves the row at what no context costs, so a 4-token
-    verify there is priced above the decode, not below it (the one-token row once drifted
-    above the multi-token rows the warm-up left at no context)."""
-    costs = CostModel()
-    costs.context["main"] = (2e-6, 1e-6)  # r, p
-    costs.record("main", 1, 0.004)
-    costs.record("main", 4, 0.005)
-    for _ in range(30):  # plain decode steps at 900 cached positions
-        costs.record("main", 1, 0.004 + 900 * 3e-6, context=900)
-    assert costs.seconds("main", 1) == pytest.approx(0.004)
-    assert costs.seconds("main", 1, context=900) == pytest.approx(0.0067)
-    assert costs.seconds("main", 4, context=900) == pytest.approx(0.005 + 900 * 6e-6)
-    assert costs.after_draft(4, context=900) == costs.seconds("main", 4, context=900)
-    # a batch: its sequences' positions in all, each with its share of the tokens
-    assert costs.seconds("main", 4, 2, context=900) == pytest.approx(
-        costs.seconds("main", 4, 2) + 900 * 2e-6 + 900 * 2 * 1e-6)
-    # the draft's rows read the draft's context cost, none measured here
-    costs.record("draft", 1, 0.002, context=900)
-    assert costs.seconds("draft", 1, context=900) == pytest.approx(0.002)
-
-
-def test_a_lookup_worth_verifying_early_is_not_at_a_long_context():
-    """The same survivals pay a 3-token verify after 50 cached positions, not after 2000
-    where each extra token attends to all of them."""
-    costs = _costs()
-    costs.context["main"] = (1e-6, 5e-6)
-    chooser = SourceChooser(DraftingConfig(), costs)
-    assert chooser.worth([0.4, 0.3], context=50) == 2
-    assert chooser.worth([0.4, 0.3], context=2000) == 0
 
 
 def test_goodput_selects_slots_by_survival():

@@ -226,14 +226,3 @@ def test_hybrid_is_offered_at_least_its_min_window(compiled):
     assert offered("dflash", None, 4) == [4] * 5
     assert offered("dflash", None, 9) == [4] * 5  # the device cap still holds
     assert max(offered("fixed", 1, 4)) <= 1
-
-
-def test_warmup_measures_each_models_context_cost_and_leaves_the_arena(compiled):
-    """The warm-up's context probes (a long prompt, then 1- and 8-token forwards after it)
-    give each model a context cost and hand every block back."""
-    engine = Engine(open_bundle(compiled[("llama", "classic")]))
-    free = sorted(engine.arena.free)
-    report = engine.warmup()
-    assert set(report["context_us"]) == set(engine.costs.context) == {"main", "draft"}
-    assert all(x >= 0 for rp in engine.costs.context.values() for x in rp)
-    assert sorted(engine.arena.free) == free and not engine.arena.tables

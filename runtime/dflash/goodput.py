@@ -102,12 +102,9 @@ class GoodputWindow:
         self.states.pop(seq_id, None)
 
 
-def select_slots(survivals: list[list[float]], base_tokens: int, costs: CostModel,
-                 seqs: int = 1, context: int = 0) -> list[int]:
+def select_slots(survivals: list[list[float]], base_tokens: int, costs: CostModel) -> list[int]:
     """How many drafts to verify per sequence: the prefix of slots, by survival, that
-    maximises expected tokens per second. survivals[i][j] = a_{j+1} of sequence i; the
-    verify forward carries `base_tokens` without drafts, from `seqs` sequences reading
-    `context` cached positions in all."""
+    maximises expected tokens per second. survivals[i][j] = a_{j+1} of sequence i."""
     slots = sorted(((a, i) for i, seq in enumerate(survivals) for a in seq), reverse=True)
     keep = [0] * len(survivals)
     if costs.seconds("main", base_tokens) is None:
@@ -115,7 +112,7 @@ def select_slots(survivals: list[list[float]], base_tokens: int, costs: CostMode
     expected, best, chosen = float(len(survivals)), None, 0
     for k, (a, _) in enumerate([(0.0, -1)] + slots):
         expected += a
-        rate = expected / costs.seconds("main", base_tokens + k, seqs, context)
+        rate = expected / costs.seconds("main", base_tokens + k)
         if best is None or rate > best:
             best, chosen = rate, k
     for _, i in slots[:chosen]:

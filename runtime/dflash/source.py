@@ -112,27 +112,25 @@ class SourceChooser:
         self.states.pop(seq_id, None)
 
     def rate(self, survivals: list[float], extra: int = 0, stats: SeqStats | None = None,
-             behind: int = 0, overhead: float = 0.0, context: int = 0) -> float | None:
+             behind: int = 0, overhead: float = 0.0) -> float | None:
         """Expected tokens per second of a round verifying the pending drafts (survivals)
         plus `extra` model drafts after them, the model first reading the `behind` tokens
-        it has not seen, all after `context` cached positions; None while a needed cost is
-        unmeasured. With nothing pending and no extra this is plain decoding's rate."""
-        seconds = self.seconds(len(survivals), extra, behind, overhead, context)
+        it has not seen; None while a needed cost is unmeasured. With nothing pending and
+        no extra this is plain decoding's rate."""
+        seconds = self.seconds(len(survivals), extra, behind, overhead)
         if seconds is None:
             return None
         last = survivals[-1] if survivals else 1.0
         return (1 + sum(survivals) + last * self._model_survival(stats, extra)) / seconds
 
     def seconds(self, pending: int, extra: int = 0, behind: int = 0,
-                overhead: float = 0.0, context: int = 0) -> float | None:
+                overhead: float = 0.0) -> float | None:
         """The predicted time of such a round (see rate); None while a cost is unmeasured."""
-        tokens, costs = pending + extra + 1, self.costs
-        t_main = (costs.after_draft(tokens, context=context) if extra
-                  else costs.seconds("main", tokens, context=context))
+        tokens = pending + extra + 1
+        t_main = self.costs.after_draft(tokens) if extra else self.costs.seconds("main", tokens)
         t_draft = 0.0
         if extra:
-            first = costs.seconds("draft", max(1, behind), context=context)
-            step = costs.draft_step(context=context)
+            first, step = self.costs.seconds("draft", max(1, behind)), self.costs.draft_step()
             if first is None or step is None:
                 return None
             t_draft = first + (extra - 1) * step + overhead
@@ -186,44 +184,43 @@ class SourceChooser:
         per_round = 1 + self._model_survival(stats, 2)
         return (full - steady) * per_round / max(1, left)
 
-    def worth(self, survivals: list[float], sure: int = 0, context: int = 0) -> int:
+    def worth(self, survivals: list[float], sure: int = 0) -> int:
         """How many of the pending drafts (their survivals) to verify: the prefix with the
         most expected tokens per second, which must beat plain decoding by MARGIN (a
         verify of k+1 tokens costs more than a decode: a lookup right 3% of the time lost
         5% on chat prompts); the first `sure` (forced by a grammar) always stay. All of
-        them while a cost is unmeasured. `context`: the sequence's cached positions."""
-        plain = self.rate([], context=context)
+        them while a cost is unmeasured."""
+        plain = self.rate([])
         if plain is None or len(survivals) <= sure:
             return len(survivals)
-        best, best_rate = sure, (self.rate(survivals[:sure], context=context) if sure
-                                 else plain * MARGIN)
+        best, best_rate = sure, (self.rate(survivals[:sure]) if sure else plain * MARGIN)
         for k in range(sure + 1, len(survivals) + 1):
-            r = self.rate(survivals[:k], context=context)
+            r = self.rate(survivals[:k])
             if r is not None and r > best_rate:
                 best, best_rate = k, r
         return best
 
     def extension(self, seq_id: int, survivals: list[float], room: int, stats: SeqStats,
-                  behind: int, overhead: float = 0.0, context: int = 0) -> int | None:
+                  behind: int, overhead: float = 0.0) -> int | None:
         """Model drafts (0..room) to add after the pending ones for the most tokens per
         second; None while costs are unmeasured. Starting from nothing pending, the model
         must beat plain decoding by MARGIN."""
-        base = self.rate(survivals, context=context)
-        if base is None or self.rate(survivals, 1, stats, behind, context=context) is None:
+        base = self.rate(survivals)
+        if base is None or self.rate(survivals, 1, stats, behind) is None:
             return None
         best, best_rate = 0, base * (1.0 if survivals else MARGIN)
         speed = self.state(seq_id).relative_speed()
         for extra in range(1, room + 1):
-            r = speed * self.rate(survivals, extra, stats, behind, overhead, context)
+            r = speed * self.rate(survivals, extra, stats, behind, overhead)
             if r > best_rate:
                 best, best_rate = extra, r
         return best
 
-    def explore(self, seq_id: int, trial: float | None = None, context: int = 0) -> bool:
+    def explore(self, seq_id: int, trial: float | None = None) -> bool:
         """Count a round without the model; True once `explore_every` such rounds have
         passed and their time covers `trial` (the predicted seconds of a one-draft model
         round) beyond a plain round's EXPLORE_SHARE times over."""
-        state, plain = self.state(seq_id), self.seconds(0, context=context) or 0.0
+        state, plain = self.state(seq_id), self.seconds(0) or 0.0
         state.idle_rounds += 1
         state.idle_seconds += plain
         extra = max(0.0, (trial or plain) - plain)

@@ -139,8 +139,7 @@ class HybridDrafter:
             st = self.state(seq)
             if method != "draft":  # pending drafts that would not pay their verify go
                 before = len(st)
-                self.truncate(seq, self.chooser.worth(self.survivals(seq), _forced(st),
-                                                       len(seq.tokens)))
+                self.truncate(seq, self.chooser.worth(self.survivals(seq), _forced(st)))
                 if seq.id in caps:
                     self.backoff.record(seq.id, kept=len(st) > _forced(st) and before > 0)
             extra = self._extension(seq, window) if method == "hybrid" else window
@@ -183,27 +182,26 @@ class HybridDrafter:
         overhead = self.chooser.catch_up(lag, left, seq.stats, once=not read_prompt)
         if overhead is None:
             return 0 if pending else window
-        behind, at = min(STEADY_BEHIND, lag), len(seq.tokens)
+        behind = min(STEADY_BEHIND, lag)
         choose = self.chooser
         keep = choose.extension(seq.id, pending, window - len(pending), seq.stats,
-                                behind + len(pending), overhead, at)
+                                behind + len(pending), overhead)
         if keep is None:  # costs unmeasured: the policy's window where nothing is pending
             return 0 if pending else window
         chosen = (pending, keep, behind + len(pending))
         if pending:
-            alone = choose.extension(seq.id, [], window, seq.stats, behind, overhead, at)
-            if alone and choose.rate([], alone, seq.stats, behind, overhead, at) > choose.rate(
-                    pending, keep, seq.stats, behind + len(pending), overhead, at):
+            alone = choose.extension(seq.id, [], window, seq.stats, behind, overhead)
+            if alone and choose.rate([], alone, seq.stats, behind, overhead) > choose.rate(
+                    pending, keep, seq.stats, behind + len(pending), overhead):
                 self._drop_pending(seq)
                 chosen = ([], alone, behind)
-        elif not keep and choose.explore(seq.id, choose.seconds(0, 1, behind, overhead, at),
-                                         at):
+        elif not keep and choose.explore(seq.id, choose.seconds(0, 1, behind, overhead)):
             chosen = ([], 1, behind)
         survivals, extra, read = chosen
         if extra and (lag <= STEADY_BEHIND or read_prompt):  # a prompt catch-up says little
-            choose.expect(seq.id, choose.seconds(len(survivals), extra, read, overhead, at))
+            choose.expect(seq.id, choose.seconds(len(survivals), extra, read, overhead))
         elif not extra and not survivals:
-            choose.expect(seq.id, choose.seconds(0, context=at), "plain")
+            choose.expect(seq.id, choose.seconds(0), "plain")
         return extra
 
     def truncate(self, seq: Sequence, keep: int) -> None:

@@ -145,9 +145,7 @@ class ModelDrafter:
                     w.window = len(w.state)  # catching up, or an unmapped token: stop
             if runner.costs is not None:  # a draft costs its forward and its draw
                 runner.costs.record(role, sum(len(c[2]) for c in chunks),
-                                    time.perf_counter() - t0, len(chunks),
-                                    sum(c[1] for c in chunks),
-                                    sum(c[1] * len(c[2]) for c in chunks))
+                                    time.perf_counter() - t0, len(chunks))
             role = DRAFT_STEP
             active = [w for w in live if w.window > len(w.state)
                       and (w.keep is None or w.keep.keep(w.state.confidence, len(w.state)))]

@@ -42,7 +42,7 @@ from dspark.runtime.errors import RequestError
 from dspark.runtime.grammar.constraint import GrammarBook
 from dspark.runtime.model.costs import AFTER_DRAFT, CostModel
 from dspark.runtime.model.device import resolve_device
-from dspark.runtime.model.profile import CONTEXT_TOKENS, WIDE, warmup
+from dspark.runtime.model.profile import warmup
 from dspark.runtime.model.runner import ModelRunner
 from dspark.runtime.sequence.request import GenerationRequest, Sequence
 from dspark.runtime.sequence.validate import Limits, validate
@@ -280,8 +280,7 @@ class Engine:
         return warmup(self.arena, self.costs,
                       {"main": [self.main], "draft": list(self.draft_models.values())},
                       {"main": [t for t in main_sizes if t < limit],
-                       "draft": [t for t in draft_sizes if t < limit]},
-                      min(CONTEXT_TOKENS, limit - WIDE))
+                       "draft": [t for t in draft_sizes if t < limit]})
 
 
 def _model_drafter(engine: Engine, bundle: Bundle) -> ModelDrafter | None:

@@ -171,8 +171,7 @@ class WindowPlanner:
         if chosen:
             survival = [self._survival(slots[i], survivals.get(slots[i].seq.id, ()))
                         for i in chosen]
-            keep = select_slots(survival, sum(s.chunk for s in slots), self.costs,
-                                len(slots), sum(s.seq.main_cached for s in slots))
+            keep = select_slots(survival, sum(s.chunk for s in slots), self.costs)
             for i, k in zip(chosen, keep):
                 slots[i] = slots[i].but(verify=k)
         return plan.with_slots(slots)

@@ -96,14 +96,7 @@ class ModelRunner:
         self.tokens += batch.num_tokens
         if self.costs is not None and record:
             role = cost_role or ("main" if self.role == "main" else "draft")
-            self.costs.record(role, batch.num_tokens, elapsed, batch.num_seqs,
-                              *context_reads(batch))
+            self.costs.record(role, batch.num_tokens, elapsed, batch.num_seqs)
         if not len(index):
             return [logits[:0]] * len(chunks)
         return np.split(logits, np.cumsum(rows)[:-1])
-
-
-def context_reads(batch: FlatBatch) -> tuple[int, int]:
-    """The cached positions a forward reads, and (position, new token) products (costs.py)."""
-    news = np.diff(batch.cu_seqlens)
-    return int(batch.starts.sum()), int((batch.starts * news).sum())
