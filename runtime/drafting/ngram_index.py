@@ -56,11 +56,18 @@ class NgramIndex:
         """(match length n, up to k proposed tokens continuing `tail`, per-step agreement:
         the share of the still-following occurrences that vote for the step's token)."""
         n, live = self.match(tail)
+        stream, end = self.tokens, len(self.tokens)
         tokens, agree = [], []
         for step in range(k):
-            nxt = [(self.tokens[e + step], e) for e in live if e + step < len(self.tokens)]
+            nxt = [(stream[e + step], e) for e in live if e + step < end]
             if not nxt:
                 break
+            token = nxt[-1][0]
+            if len(nxt) == 1 or all(t == token for t, _ in nxt):  # one continuation: no vote
+                tokens.append(token)
+                agree.append(1.0)
+                live = [e for _, e in nxt]
+                continue
             counts = Counter(t for t, _ in nxt)
             best = max(counts.values())
             token = next(t for t, _ in reversed(nxt) if counts[t] == best)  # most recent

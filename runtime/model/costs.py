@@ -74,14 +74,15 @@ class CostModel:
         table = self.table.get(role) or {}
         if not table:
             return None
-        keys = sorted(table)
-        if tokens <= keys[0]:
-            t = table[keys[0]]
-        elif tokens >= keys[-1]:
-            t = table[keys[-1]] * tokens / keys[-1]
-        else:
-            hi = next(k for k in keys if k >= tokens)
-            lo = max(k for k in keys if k <= tokens)
-            t = table[lo] if hi == lo else table[lo] + (tokens - lo) / (hi - lo) * (
-                table[hi] - table[lo])
+        t = table.get(tokens)  # a measured size is itself (the hybrid asks ~5 times a round)
+        if t is None:
+            keys = sorted(table)
+            if tokens < keys[0]:
+                t = table[keys[0]]
+            elif tokens > keys[-1]:
+                t = table[keys[-1]] * tokens / keys[-1]
+            else:
+                hi = next(k for k in keys if k > tokens)
+                lo = max(k for k in keys if k < tokens)
+                t = table[lo] + (tokens - lo) / (hi - lo) * (table[hi] - table[lo])
         return t + (seqs - 1) * self.per_seq.get(role, 0.0)
