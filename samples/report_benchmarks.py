@@ -31,7 +31,8 @@ REPORTS = [
      "with a 90% bootstrap interval over the (prompt, seed) pairs."),
     ("peers_loaded.json", "With one core busy with other work",
      "python samples/bench_peers.py --repeats 2 --background-load --systems dsrun-fp32-plain "
-     "dsrun-fp32-default dsrun-q4-plain dsrun-q4-default --json build/reports/peers_loaded.json",
+     "dsrun-fp32-default dsrun-q4-plain dsrun-q4-default dsrun-genai4-plain dsrun-genai4-default "
+     "--json build/reports/peers_loaded.json",
      "Another process spins on one of the two cores for the whole run: speculation must not "
      "lose to plain decoding then either."),
     ("int4_kernels.json", "MatMulInt4's paths against onnxruntime's MatMulNBits",
