@@ -3,6 +3,7 @@ keep speed and outputs? (bench_peers' driver; each revision's workers in their o
 
     python samples/bench_revisions.py BASE_REV [--repeats 5] [--temperature 0]
                                       [--systems dsrun-fp32-default ...] [--prompt-file F]
+                                      [--background-load]
 
 BASE_REV is checked out once into build/revisions/<rev> (a git worktree); its workers import
 dspark from there (PYTHONPATH over a folder of links named as the package maps them), this
@@ -53,6 +54,8 @@ def main() -> None:
     p.add_argument("--systems", nargs="+", default=SYSTEMS)
     p.add_argument("--prompt-file", type=Path, default=bp.PROMPTS,
                    help="jsonl of name, class, chat (default: the peer prompts)")
+    p.add_argument("--background-load", action="store_true",
+                   help="keep one core busy with another process throughout")
     args = p.parse_args()
     path = str(checkout(args.base))
     cmd, env = bp.worker_cmd, bp.worker_env
@@ -61,7 +64,7 @@ def main() -> None:
                                   if s.startswith(OLD) else env(s, a))
     systems = args.systems
     args.systems = [x for s in systems for x in (s, OLD + s)]
-    args.background_load = args.peer_hugepages = False
+    args.peer_hugepages = False
     prompts = bp.prompt_ids(args.prompt_file)
     os.environ["DSPARK_PEER_PROMPTS"] = json.dumps(prompts)
     head = bp.revision()

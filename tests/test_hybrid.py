@@ -257,24 +257,20 @@ def test_lookup_backs_off_while_it_pays_nothing():
     assert looked[-3:] == [97, 98, 99]  # a kept draft (round 63): every round again
 
 
-@pytest.mark.parametrize("method", ["lookup", "hybrid"])
-def test_only_a_sequence_with_a_draft_model_backs_off_its_lookups(method):
-    """With a draft model (method hybrid) a sequence whose lookups keep nothing looks up on
-    exactly the rounds the back-off allows; lookup-only (an int4 main) looks up every
-    round, copies come in bursts. Either way nothing is proposed here."""
+def test_a_backed_off_lookup_rests_on_exactly_the_skipped_rounds():
+    """A lookup job whose sequence's lookups kept nothing rests (a plain round, no lookup
+    walked: its Proposed has lookup cap 0) on exactly the rounds the back-off skips, and
+    looks up on the rest; pending drafts never rest."""
     from dspark.runtime.drafting.hybrid import Backoff
 
-    model = FakeModel(cached=10) if method == "hybrid" else None
-    hybrid, reference = _hybrid(_costs(draft_ms=40.0), model), Backoff()  # a dear model
-    walked, propose = [], hybrid.lookup.propose
-    hybrid.lookup.propose = lambda work: (walked.append(len(work)), propose(work))
+    hybrid, reference = _hybrid(_costs()), Backoff()
     seq = _seq(list(range(10, 20)))  # nothing repeats: every lookup keeps nothing
-    expected = []
     for _ in range(40):
-        looks = method == "lookup" or reference.ready(seq.id)
-        expected.append(int(looks))
-        if looks and method == "hybrid":
+        looks = reference.ready(seq.id)
+        proposed = hybrid.propose([DraftJob(seq, "lookup", 0, 8)])
+        assert _sources(proposed) == ["plain"]
+        assert proposed[0].lookup == (8 if looks else 0)
+        if looks:
             reference.record(seq.id, kept=False)
-        assert _sources(hybrid.propose([DraftJob(seq, method, 4, 8)])) == ["plain"]
-    assert walked == expected
-    assert sum(expected) == (40 if method == "lookup" else 5)  # rounds 0, 1, 5, 13, 29
+    hybrid.state(seq).add(3, "lookup", None, 0.9)
+    assert not hybrid.resting(seq)

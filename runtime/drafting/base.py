@@ -55,7 +55,7 @@ class Proposed(NamedTuple):
     planner's balance reads of them."""
 
     source: str  # plain, lookup, draft or lookup+draft
-    lookup: int  # the lookup cap, raised to take a grammar's forced tokens
+    lookup: int  # the lookup cap, raised to take a grammar's forced tokens (0: rested)
     pending: DraftState  # the sequence's pending drafts (read until settle)
     survivals: tuple[float, ...] = ()  # calibrated, per pending draft, where a lookup proposed
 

@@ -28,14 +28,11 @@ FORCED = "grammar"  # the source name of forced drafts
 
 
 class Backoff:
-    """When a sequence that also has a draft model looks up again after its lookups paid
-    nothing: each round whose lookup kept no draft (no match, or none worth its verify)
-    doubles the rounds skipped before the next lookup, up to MAX_SKIP; one kept draft
-    resets it. A lookup-only sequence (an int4 main, no draft model) looks up every round:
-    copies come in bursts, and skipping up to 16 rounds missed them. The walk costs
-    ~0.05 ms, 1.5% of an int4 SmolLM2 step; measured without the back-off
-    (`samples/bench_revisions.py 74139a5`, three runs, new/old): code 1.06-1.09x, edits
-    0.98-1.08x, chat 0.96-1.05x."""
+    """When to look up again for a sequence whose lookups paid nothing: each round whose
+    lookup kept no draft (no match, or none worth its verify) doubles the rounds skipped
+    before the next lookup, up to MAX_SKIP; one kept draft resets it. The lookup's walk
+    costs ~0.1 ms a round, 3% of an int4 SmolLM2 step: a chat whose drafts never paid ran
+    at 0.95x of plain decoding."""
 
     MAX_SKIP = 16
 
@@ -99,6 +96,11 @@ class HybridDrafter:
             st = self.states[seq.id] = DraftState()
         return st
 
+    def resting(self, seq: Sequence) -> bool:
+        """Nothing pending and the sequence's lookups backed off this round (the round's
+        skip is spent): a lookup-only round with nothing to do."""
+        return not len(self.state(seq)) and not self.backoff.ready(seq.id)
+
     def survivals(self, seq: Sequence, count: int | None = None) -> list[float]:
         st = self.state(seq)
         n = len(st) if count is None else count
@@ -109,10 +111,16 @@ class HybridDrafter:
         lookup+draft; held drafts count as what proposed them), its lookup cap, raised to
         take a grammar's forced tokens, and the pending drafts. A grammar's sequence starts
         from the tokens it forces (free drafts), and its drafts end at the first one the
-        grammar forbids."""
-        working = [self._force(j) for j in jobs]
+        grammar forbids. A lookup job whose lookups are backed off (`resting`) is a plain
+        round with no drafting work at all: at int4 speeds the drafting path's bookkeeping
+        alone cost ~1%."""
+        rested = {j.seq.id for j in jobs if j.method == "lookup" and j.seq.constraint is None
+                  and self.resting(j.seq)}
+        working = [self._force(j) for j in jobs if j.seq.id not in rested]
         self._fill(working)
-        return [self._proposed(j) for j in working]
+        done = {j.seq.id: j for j in working}
+        return [self._proposed(done[j.seq.id]) if j.seq.id in done
+                else Proposed("plain", 0, self.state(j.seq)) for j in jobs]
 
     def _proposed(self, job: DraftJob) -> Proposed:
         st = self.state(job.seq)
@@ -122,7 +130,7 @@ class HybridDrafter:
     def _fill(self, jobs: list[DraftJob]) -> None:
         """The lookup's drafts, those not worth their verify dropped, then the model's."""
         caps = {j.seq.id: j.lookup for j in jobs if j.method != "draft" and j.lookup
-                and (j.method == "lookup" or self.backoff.ready(j.seq.id))}
+                and self.backoff.ready(j.seq.id)}
         self.lookup.propose([DraftWork(j.seq, self.state(j.seq),
                                        len(self.state(j.seq)) + caps[j.seq.id])
                              for j in jobs if j.seq.id in caps])
@@ -132,7 +140,7 @@ class HybridDrafter:
             if method != "draft":  # pending drafts that would not pay their verify go
                 before = len(st)
                 self.truncate(seq, self.chooser.worth(self.survivals(seq), _forced(st)))
-                if seq.id in caps and method == "hybrid":
+                if seq.id in caps:
                     self.backoff.record(seq.id, kept=len(st) > _forced(st) and before > 0)
             extra = self._extension(seq, window) if method == "hybrid" else window
             if method == "draft":
