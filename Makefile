@@ -63,13 +63,21 @@ benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmark
 	    --json $(REPORTS)/peers_sampled.json
 	$(BIN)/python samples/bench_peers.py --repeats 2 --background-load --systems \
 	    dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default \
-	    --json $(REPORTS)/peers_loaded.json
+	    dsrun-genai4-plain dsrun-genai4-default --json $(REPORTS)/peers_loaded.json
 	DSPARK_CPU_ISA=avx2 $(BIN)/python samples/bench_peers.py --repeats 2 --systems \
 	    dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default \
 	    --json $(REPORTS)/peers_avx2.json
 	DSPARK_CPU_ISA=avx2 $(BIN)/python samples/bench_peers.py --repeats 2 --background-load \
 	    --systems dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default \
 	    --json $(REPORTS)/peers_loaded_avx2.json
+	$(BIN)/python samples/bench_peers.py --repeats 2 --background-load --systems \
+	    dsrun-q4-plain dsrun-q4-default dsrun-q4-plain@t1 dsrun-q4-default@t1 \
+	    dsrun-fp32-plain dsrun-fp32-default dsrun-fp32-plain@t1 dsrun-fp32-default@t1 \
+	    --json $(REPORTS)/peers_threads_loaded.json
+	$(BIN)/python samples/bench_peers.py --repeats 2 --systems \
+	    dsrun-q4-plain dsrun-q4-default dsrun-q4-plain@t1 dsrun-q4-default@t1 \
+	    dsrun-fp32-plain dsrun-fp32-default dsrun-fp32-plain@t1 dsrun-fp32-default@t1 \
+	    --json $(REPORTS)/peers_threads.json
 	$(BIN)/python samples/bench_peers.py --repeats 2 --systems dsrun-optimum-plain \
 	    dsrun-optimum-default dsrun-fp32-plain dsrun-fp32-default genai-fp32-plain \
 	    genai-fp32-ngram --json $(REPORTS)/peers_optimum.json

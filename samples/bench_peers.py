@@ -28,7 +28,9 @@ mode and the fastest lossless llama.cpp mode (greedy: its tokens equal its plain
 the same weights (fp32 systems against the fp32/F32 peers, int4 ones against the int4/Q4_1
 peers); "same" compares each speculative mode's greedy tokens with its own plain mode's.
 --background-load keeps one core busy with another process for the whole run (speculation
-must never lose to plain then either). The report starts with the CPU's model and flags.
+must never lose to plain then either). A system name may end in @tN: that worker runs with N
+threads (DSPARK_THREADS for dsrun), beside the same system at the core count, e.g.
+`--systems dsrun-q4-plain dsrun-q4-plain@t1`. The report starts with the CPU's model and flags.
 """
 
 from __future__ import annotations
@@ -69,11 +71,18 @@ def prompt_ids(path: Path, bundle: str = "fp32") -> list[dict]:
             for p in load_prompts(path)]
 
 
+def split_threads(system: str) -> tuple[str, int]:
+    """(the system without its @tN suffix, its threads: N, else the core count)."""
+    name, _, threads = system.partition("@t")
+    return name, int(threads) if threads else (os.cpu_count() or 1)
+
+
 def worker_cmd(system: str, args) -> list[str]:
-    kind, variant, mode = system.split("-", 2)
+    name, threads = split_threads(system)
+    kind, variant, mode = name.split("-", 2)
     python = str(setup.VENV / "bin" / "python") if kind == "genai" else sys.executable
     return [python, str(HERE / "peer_workers.py"), kind, variant, mode, str(args.max_tokens),
-            str(args.temperature), str(os.cpu_count() or 1)]
+            str(args.temperature), str(threads)]
 
 
 def worker_env(system: str, args) -> dict[str, str]:
@@ -81,9 +90,12 @@ def worker_env(system: str, args) -> dict[str, str]:
     itself; the peers as their users run them, or with the same tunable if asked."""
     from dspark.runtime.env import hugepage_env
 
-    if not system.startswith("dsrun") and not args.peer_hugepages:
-        return dict(os.environ)
-    return hugepage_env() or dict(os.environ)
+    if not system.startswith("dsrun"):
+        return hugepage_env() or dict(os.environ) if args.peer_hugepages else dict(os.environ)
+    env = hugepage_env() or dict(os.environ)
+    if "@t" in system:
+        env["DSPARK_THREADS"] = str(split_threads(system)[1])
+    return env
 
 
 def start(systems: list[str], args) -> dict[str, subprocess.Popen]:
@@ -142,12 +154,13 @@ def ratio_interval(runs: list[dict], base: list[dict], draws: int = 2000, seed: 
 
 
 def _plain_of(system: str) -> str:
-    return system.rsplit("-", 1)[0] + "-plain"
+    name, _, threads = system.partition("@t")
+    return name.rsplit("-", 1)[0] + "-plain" + (f"@t{threads}" if threads else "")
 
 
 def _lossless(system: str, same: bool | None) -> bool:
     """Plain, or speculation whose greedy tokens equal its plain mode's (sampled: assumed)."""
-    return system.endswith("-plain") or same is not False
+    return system.partition("@t")[0].endswith("-plain") or same is not False
 
 
 def _best(tps: dict[str, float], kind: str, int4: bool, same: dict | None) -> float | None:

@@ -50,6 +50,19 @@ REPORTS = [
      "--systems dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default "
      "--json build/reports/peers_loaded_avx2.json",
      "Both at once: the AVX2 path and another process spinning on one core."),
+    ("peers_threads_loaded.json", "One thread against two, one core busy",
+     "python samples/bench_peers.py --repeats 2 --background-load --systems dsrun-q4-plain "
+     "dsrun-q4-default dsrun-q4-plain@t1 dsrun-q4-default@t1 dsrun-fp32-plain "
+     "dsrun-fp32-default dsrun-fp32-plain@t1 dsrun-fp32-default@t1 "
+     "--json build/reports/peers_threads_loaded.json",
+     "`@t1`: that worker at DSPARK_THREADS=1, beside the same system at the core count, with "
+     "another process spinning on one core (see performance.md: with other work on the "
+     "cores, set DSPARK_THREADS to the cores it leaves free)."),
+    ("peers_threads.json", "One thread against two, cores free",
+     "python samples/bench_peers.py --repeats 2 --systems dsrun-q4-plain dsrun-q4-default "
+     "dsrun-q4-plain@t1 dsrun-q4-default@t1 dsrun-fp32-plain dsrun-fp32-default "
+     "dsrun-fp32-plain@t1 dsrun-fp32-default@t1 --json build/reports/peers_threads.json",
+     "The same systems on a quiet machine."),
     ("peers_optimum.json", "optimum's export of SmolLM2",
      "python samples/bench_peers.py --repeats 2 --systems dsrun-optimum-plain "
      "dsrun-optimum-default dsrun-fp32-plain dsrun-fp32-default genai-fp32-plain "
@@ -113,7 +126,8 @@ def bench_table(report: dict) -> list[str]:
 TABLES = {"peers_greedy.json": peers_table, "peers_sampled.json": peers_table,
           "peers_loaded.json": peers_table, "peers_avx2.json": peers_table,
           "peers_loaded_avx2.json": peers_table, "peers_gemma3.json": peers_table,
-          "peers_optimum.json": peers_table,
+          "peers_optimum.json": peers_table, "peers_threads_loaded.json": peers_table,
+          "peers_threads.json": peers_table,
           "int4_kernels.json": int4_table, "gemma3_bench.json": bench_table}
 
 
