@@ -142,6 +142,9 @@ def test_monitoring_samples_are_valid():
     expr = " ".join(alert["expr"].split())
     assert "dflash_reject_rate_1m) > 0.3" in expr and " and " in expr
     assert "dflash_accept_throughput_tps) < 50" in expr
+    [cores] = [r for g in rules["groups"] for r in g["rules"]
+               if r["alert"] == "DSparkCoresTakenByOtherWork"]
+    assert "dspar_host_other_cores) > 0.5" in cores["expr"]
     dash = json.loads((ROOT / "samples/monitoring/grafana_dflash.json").read_text())
     exprs = " ".join(t["expr"] for p in dash["panels"] for t in p.get("targets", ()))
     for name in ("dflash_window_size_current", "dflash_reject_rate_1m",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import openai
@@ -193,6 +194,11 @@ def test_metrics_move(server):
                  "dflash_requests_total", "dflash_ttft_ms_count", "dflash_itl_ms_count",
                  "dspar_verify_latency_ms_count", "dflash_config_reload_errors_total"):
         assert name in after, name
+    deadline = time.monotonic() + 5  # the first reading spans at least 0.2 s of /proc ticks
+    while "dspar_host_other_cores" not in after and time.monotonic() < deadline:
+        time.sleep(0.2)
+        after, _ = _metrics(server)
+    assert after["dspar_host_other_cores"].value >= 0
     assert 'tenant="acme"' in text and 'model="tok"' in text
     assert after["dspar_verify_latency_ms_count"].value > before.get(
         "dspar_verify_latency_ms_count", type("", (), {"value": 0})).value

@@ -13,6 +13,8 @@ drafts; the draft model catches up in its first forward of a later round. Mainte
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,14 +40,18 @@ from dspark.runtime.engine.planner import WindowPlanner
 from dspark.runtime.engine.round_plan import RoundPlan, Slot
 from dspark.runtime.engine.scheduler import Scheduler
 from dspark.runtime.engine.snapshot import EngineGauges, RoundRecord, StepReport
+from dspark.runtime.env import read_env
 from dspark.runtime.errors import RequestError
 from dspark.runtime.grammar.constraint import GrammarBook
+from dspark.runtime.host_load import HostLoad, thread_hint
 from dspark.runtime.model.costs import AFTER_DRAFT, CostModel
 from dspark.runtime.model.device import resolve_device
 from dspark.runtime.model.profile import warmup
 from dspark.runtime.model.runner import ModelRunner
 from dspark.runtime.sequence.request import GenerationRequest, Sequence
 from dspark.runtime.sequence.validate import Limits, validate
+
+log = logging.getLogger("dspark.runtime")
 
 
 class Engine:
@@ -277,10 +283,18 @@ class Engine:
         """Profile every model (model/profile.py): the cost table the policies read (every
         verify size of a window up to 8 drafts: the table keeps them apart, costs.py)."""
         limit = self.plan.max_seq_len
-        return warmup(self.arena, self.costs,
-                      {"main": [self.main], "draft": list(self.draft_models.values())},
-                      {"main": [t for t in main_sizes if t < limit],
-                       "draft": [t for t in draft_sizes if t < limit]})
+        load = HostLoad()
+        load.sample()
+        profile = warmup(self.arena, self.costs,
+                         {"main": [self.main], "draft": list(self.draft_models.values())},
+                         {"main": [t for t in main_sizes if t < limit],
+                          "draft": [t for t in draft_sizes if t < limit]})
+        other = load.sample()
+        hint = (thread_hint(other, read_env().threads, os.cpu_count() or 1)
+                if self.arena.device.type == "cpu" else None)
+        if hint is not None:
+            log.warning(hint)
+        return {**profile, "other_cores": other}
 
 
 def _model_drafter(engine: Engine, bundle: Bundle) -> ModelDrafter | None:

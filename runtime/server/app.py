@@ -114,8 +114,10 @@ def create_app(state: ServerState, warmup: bool = True) -> FastAPI:
         result = await state.service.call(lambda e: e.warmup(
             [n for n in sizes if n <= body.main_tokens] or [1],
             [n for n in sizes if n <= body.draft_tokens]))
+        other = result.get("other_cores")
         return {"status": "ok", "seconds": round(result["seconds"], 4),
-                "main_ms": result["main_ms"]}
+                "main_ms": result["main_ms"],
+                "other_cores": None if other is None else round(other, 2)}
 
     @app.post("/v1/cache/resize")
     async def resize(body: CacheResizeRequest):
