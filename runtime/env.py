@@ -5,12 +5,15 @@ Every other module receives these values as arguments; nothing else calls os.env
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import tempfile
 from dataclasses import dataclass
 
 from dspark.runtime.errors import DSparkError
+
+FREE_CORES_SPAN = 0.5  # seconds DSPARK_THREADS=auto watches the other processes' load
 
 
 @dataclass(frozen=True)
@@ -39,9 +42,10 @@ def child_env(drop: tuple[str, ...]) -> dict[str, str]:
 def read_env() -> RuntimeEnv:
     raw = os.environ.get("DSPARK_THREADS", "")
     try:
-        threads = int(raw) if raw else (os.cpu_count() or 1)
+        threads = (int(raw) if raw and raw != "auto" else
+                   _free_cores() if raw else (os.cpu_count() or 1))
     except ValueError:
-        raise DSparkError(f"DSPARK_THREADS must be an integer, got {raw!r}") from None
+        raise DSparkError(f"DSPARK_THREADS must be an integer or auto, got {raw!r}") from None
     cache_dir = os.environ.get("DSPARK_CACHE", os.path.join(os.getcwd(), "build"))
     debug = os.environ.get("DSPARK_DEBUG", "") not in ("", "0")
     return RuntimeEnv(threads=threads, cache_dir=cache_dir, debug=debug,
@@ -50,6 +54,22 @@ def read_env() -> RuntimeEnv:
                       cpu_int4=os.environ.get("DSPARK_CPU_INT4", "1") != "0",
                       cc=os.environ.get("CC") or "cc",
                       cpu_isa=os.environ.get("DSPARK_CPU_ISA") or None)
+
+
+@functools.cache
+def _free_cores() -> int:
+    """DSPARK_THREADS=auto: the cores other processes leave free, measured once per process
+    over FREE_CORES_SPAN seconds (host_load.py; all cores where /proc cannot say)."""
+    import time
+
+    from dspark.runtime.host_load import HostLoad
+
+    cores = os.cpu_count() or 1
+    load = HostLoad()
+    load.sample()
+    time.sleep(FREE_CORES_SPAN)
+    other = load.sample()
+    return cores if other is None else max(1, cores - round(other))
 
 
 def kernel_cache_dir() -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -105,3 +106,33 @@ def test_a_warm_up_beside_a_busy_core_names_fewer_threads(tok_bundle, caplog, mo
     caplog.clear()
     engine.warmup()
     assert not [r for r in caplog.records if "DSPARK_THREADS" in r.getMessage()]
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists() or (os.cpu_count() or 1) < 2,
+                    reason="needs Linux /proc and two cores")
+def test_threads_auto_leaves_a_busy_core_out(monkeypatch):
+    from dspark.runtime import env
+
+    monkeypatch.setenv("DSPARK_THREADS", "auto")
+    env._free_cores.cache_clear()
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        threads = env.read_env().threads
+    finally:
+        spinner.kill()
+        spinner.wait()
+        env._free_cores.cache_clear()
+    assert threads == (os.cpu_count() or 1) - 1
+
+
+def test_threads_must_be_a_count_or_auto(monkeypatch):
+    from dspark.runtime import env
+    from dspark.runtime.errors import DSparkError
+
+    for bad, why in (("two", "an integer or auto"), ("0", ">= 1")):
+        monkeypatch.setenv("DSPARK_THREADS", bad)
+        with pytest.raises(DSparkError, match=why):
+            env.read_env()
+    monkeypatch.setenv("DSPARK_THREADS", "3")
+    assert env.read_env().threads == 3
