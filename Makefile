@@ -78,6 +78,10 @@ benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmark
 	    dsrun-q4-plain dsrun-q4-default dsrun-q4-plain@t1 dsrun-q4-default@t1 \
 	    dsrun-fp32-plain dsrun-fp32-default dsrun-fp32-plain@t1 dsrun-fp32-default@t1 \
 	    --json $(REPORTS)/peers_threads.json
+	$(BIN)/python samples/bench_peers.py --repeats 2 --load-from-start --systems \
+	    dsrun-q4-plain dsrun-q4-default dsrun-q4-plain@tauto dsrun-q4-default@tauto \
+	    dsrun-fp32-plain dsrun-fp32-default dsrun-fp32-plain@tauto dsrun-fp32-default@tauto \
+	    --json $(REPORTS)/peers_threads_auto.json
 	$(BIN)/python samples/bench_peers.py --repeats 2 --systems dsrun-optimum-plain \
 	    dsrun-optimum-default dsrun-fp32-plain dsrun-fp32-default genai-fp32-plain \
 	    genai-fp32-ngram --json $(REPORTS)/peers_optimum.json

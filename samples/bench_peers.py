@@ -2,7 +2,7 @@
 
     python samples/bench_peers.py --setup        # once: peer venv and models (peer_setup.py)
     python samples/bench_peers.py [--repeats 2] [--temperature 0.7] [--systems ...]
-                                  [--background-load] [--json OUT]
+                                  [--background-load | --load-from-start] [--json OUT]
     python samples/bench_peers.py --model gemma3 [--setup]   # Gemma 3 270M against genai
 
 Systems (peer_workers.py), each in its own long-lived process, loaded and warmed up once:
@@ -29,8 +29,10 @@ the same weights (fp32 systems against the fp32/F32 peers, int4 ones against the
 peers); "same" compares each speculative mode's greedy tokens with its own plain mode's.
 --background-load keeps one core busy with another process for the whole run (speculation
 must never lose to plain then either). A system name may end in @tN: that worker runs with N
-threads (DSPARK_THREADS for dsrun), beside the same system at the core count, e.g.
-`--systems dsrun-q4-plain dsrun-q4-plain@t1`. The report starts with the CPU's model and flags.
+threads (DSPARK_THREADS for dsrun; @tauto: DSPARK_THREADS=auto), beside the same system at
+the core count, e.g. `--systems dsrun-q4-plain dsrun-q4-plain@t1`. --load-from-start starts
+that load before the systems load and warm up (a steady load, what DSPARK_THREADS=auto
+sees). The report starts with the CPU's model and flags.
 """
 
 from __future__ import annotations
@@ -71,18 +73,20 @@ def prompt_ids(path: Path, bundle: str = "fp32") -> list[dict]:
             for p in load_prompts(path)]
 
 
-def split_threads(system: str) -> tuple[str, int]:
-    """(the system without its @tN suffix, its threads: N, else the core count)."""
+def split_threads(system: str) -> tuple[str, str | None]:
+    """(the system without its @tN suffix, N: a count or "auto" (dsrun's DSPARK_THREADS),
+    None without a suffix)."""
     name, _, threads = system.partition("@t")
-    return name, int(threads) if threads else (os.cpu_count() or 1)
+    return name, threads or None
 
 
 def worker_cmd(system: str, args) -> list[str]:
     name, threads = split_threads(system)
     kind, variant, mode = name.split("-", 2)
     python = str(setup.VENV / "bin" / "python") if kind == "genai" else sys.executable
+    count = threads if threads and threads.isdigit() else str(os.cpu_count() or 1)
     return [python, str(HERE / "peer_workers.py"), kind, variant, mode, str(args.max_tokens),
-            str(args.temperature), str(threads)]
+            str(args.temperature), count]
 
 
 def worker_env(system: str, args) -> dict[str, str]:
@@ -111,9 +115,10 @@ def start(systems: list[str], args) -> dict[str, subprocess.Popen]:
 
 
 def drive(args, count: int) -> dict[str, list[dict]]:
+    spin = [sys.executable, "-c", "while True: pass"]
+    early = subprocess.Popen(spin) if getattr(args, "load_from_start", False) else None
     workers = start(args.systems, args)
-    load = (subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            if args.background_load else None)
+    load = early or (subprocess.Popen(spin) if args.background_load else None)
     runs: dict[str, list[dict]] = {s: [] for s in args.systems}
     try:
         for r in range(args.repeats):
@@ -197,7 +202,8 @@ def summarise(runs: dict[str, list[dict]], args) -> dict:
                 "same_as_own_plain": same[system]})
     return {"cpu": cpu_line(), "revision": args.revision, "max_tokens": args.max_tokens,
             "repeats": args.repeats, "temperature": args.temperature,
-            "background_load": args.background_load,
+            "background_load": args.background_load or args.load_from_start,
+            "load_from_start": args.load_from_start,
             "peer_hugepages": args.peer_hugepages, "rows": rows,
             "prompts": {s: [{k: x[k] for k in ("name", "class", "seconds")} | {
                 "tokens": len(x["tokens"])} for x in xs] for s, xs in runs.items()}}
@@ -220,14 +226,15 @@ def format_report(report: dict) -> str:
     lines = [report["cpu"],
              f"{report['max_tokens']} new tokens, temperature {report['temperature']}, "
              f"{report['repeats']} repeats, systems interleaved per prompt"
-             + (", one core busy with another process" if report["background_load"] else ""),
-             f"{'class':<6}{'system':<22}{'tok/s':>7}{'own plain':>11}{'(90%)':>12}"
+             + (", one core busy with another process" if report["background_load"] else "")
+             + (" (from before the systems started)" if report.get("load_from_start") else ""),
+             f"{'class':<6}{'system':<25}{'tok/s':>7}{'own plain':>11}{'(90%)':>12}"
              f"{'dsrun fp32':>11}{'best genai':>11}{'best llama':>11}  same as own plain"]
     for r in report["rows"]:
         band = r.get("vs_own_plain_90")
         band = f"{band[0]:.2f}-{band[1]:.2f}" if band else "-"
         same = {True: "yes", False: "NO", None: "-"}[r["same_as_own_plain"]]
-        lines.append(f"{r['class']:<6}{r['system']:<22}{r['tps']:>7.1f}"
+        lines.append(f"{r['class']:<6}{r['system']:<25}{r['tps']:>7.1f}"
                      f"{_x(r['vs_own_plain']):>11}{band:>12}{_x(r['vs_dsrun_fp32_plain']):>11}"
                      f"{_x(r['vs_best_genai']):>11}{_x(r['vs_best_llama']):>11}  {same}")
     return "\n".join(lines)
@@ -246,6 +253,9 @@ def main() -> None:
                    help="among: " + " ".join(SYSTEMS) + " (and dsrun-<bundle>-<method>)")
     p.add_argument("--background-load", action="store_true",
                    help="keep one core busy with another process during the run")
+    p.add_argument("--load-from-start", action="store_true",
+                   help="the same, started before the systems load (a steady load they "
+                        "start beside, as DSPARK_THREADS=auto measures it)")
     p.add_argument("--peer-hugepages", action="store_true",
                    help="give the peers glibc's huge-page tunable too (like for like)")
     p.add_argument("--json", type=Path, help="also write the report here")

@@ -63,6 +63,14 @@ REPORTS = [
      "dsrun-q4-plain@t1 dsrun-q4-default@t1 dsrun-fp32-plain dsrun-fp32-default "
      "dsrun-fp32-plain@t1 dsrun-fp32-default@t1 --json build/reports/peers_threads.json",
      "The same systems on a quiet machine."),
+    ("peers_threads_auto.json", "DSPARK_THREADS=auto beside a steady load",
+     "python samples/bench_peers.py --repeats 2 --load-from-start --systems dsrun-q4-plain "
+     "dsrun-q4-default dsrun-q4-plain@tauto dsrun-q4-default@tauto dsrun-fp32-plain "
+     "dsrun-fp32-default dsrun-fp32-plain@tauto dsrun-fp32-default@tauto "
+     "--json build/reports/peers_threads_auto.json",
+     "Another process spins on one core from before the systems start; `@tauto`: that worker "
+     "at DSPARK_THREADS=auto (it measures the load at start and takes the free cores), "
+     "beside the same system at the core count."),
     ("peers_optimum.json", "optimum's export of SmolLM2",
      "python samples/bench_peers.py --repeats 2 --systems dsrun-optimum-plain "
      "dsrun-optimum-default dsrun-fp32-plain dsrun-fp32-default genai-fp32-plain "
@@ -127,7 +135,7 @@ TABLES = {"peers_greedy.json": peers_table, "peers_sampled.json": peers_table,
           "peers_loaded.json": peers_table, "peers_avx2.json": peers_table,
           "peers_loaded_avx2.json": peers_table, "peers_gemma3.json": peers_table,
           "peers_optimum.json": peers_table, "peers_threads_loaded.json": peers_table,
-          "peers_threads.json": peers_table,
+          "peers_threads.json": peers_table, "peers_threads_auto.json": peers_table,
           "int4_kernels.json": int4_table, "gemma3_bench.json": bench_table}
 
 
