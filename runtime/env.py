@@ -62,14 +62,12 @@ def _free_cores() -> int:
     over FREE_CORES_SPAN seconds (host_load.py; all cores where /proc cannot say)."""
     import time
 
-    from dspark.runtime.host_load import HostLoad
+    from dspark.runtime.host_load import HostLoad, free_cores
 
-    cores = os.cpu_count() or 1
     load = HostLoad()
     load.sample()
     time.sleep(FREE_CORES_SPAN)
-    other = load.sample()
-    return cores if other is None else max(1, cores - round(other))
+    return free_cores(load.sample(), os.cpu_count() or 1)
 
 
 def kernel_cache_dir() -> str:

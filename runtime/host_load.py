@@ -59,11 +59,16 @@ class HostLoad:
         return max(0.0, other / (now[0] - last[0]))
 
 
+def free_cores(other: float | None, cores: int) -> int:
+    """The cores other work leaves free (all of them when the load is unknown)."""
+    return cores if other is None else max(1, cores - round(other))
+
+
 def thread_hint(other: float | None, threads: int, cores: int) -> str | None:
     """A warning when other work held cores the pool's threads count on, else None."""
     if other is None or other < BUSY_ENOUGH:
         return None
-    free = max(1, cores - round(other))
+    free = free_cores(other, cores)
     if threads <= free:
         return None
     return (f"other processes kept {other:.1f} of {cores} cores busy during the warm-up; "
