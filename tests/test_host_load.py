@@ -136,3 +136,32 @@ def test_threads_must_be_a_count_or_auto(monkeypatch):
             env.read_env()
     monkeypatch.setenv("DSPARK_THREADS", "3")
     assert env.read_env().threads == 3
+
+
+def test_metrics_read_the_host_every_few_seconds_not_every_step(tmp_path):
+    from dspark.runtime.server.metrics import HOST_EVERY, Metrics
+
+    metrics = Metrics("m", "cpu")
+    now = [10.0]
+    metrics.host = HostLoad(tmp_path, clock=lambda: now[0])
+    metrics.host.tick = 100
+    reads = []
+    read = metrics.host._read
+    metrics.host._read = lambda: reads.append(now[0]) or read()
+    _proc(tmp_path, (100, 0, 50, 0, 0, 0), utime=40, stime=10)
+    metrics.host.sample()
+    now[0] = 10.1  # too short a span: read again at the next step
+    metrics._host(now[0])
+    now[0] = 11.0
+    _proc(tmp_path, (200, 0, 50, 0, 0, 0), utime=40, stime=10)
+    metrics._host(now[0])
+    assert "dspar_host_other_cores" in metrics.render().decode()
+    for t in (11.5, 12.0, 11.0 + HOST_EVERY - 0.1):  # then not until HOST_EVERY has passed
+        now[0] = t
+        metrics._host(t)
+    assert len(reads) == 3
+    missing = Metrics("m", "cpu")
+    missing.host = HostLoad(tmp_path / "none")
+    missing._host(50.0)
+    missing._host(50.1)  # nothing to read: it waits too, no read per step
+    assert missing.host_at == 50.0

@@ -124,11 +124,18 @@ class Metrics:
             self._latencies(seq, now)
         self._rolling(now)
         self._state(gauges)
-        if now - self.host_at >= HOST_EVERY:
-            other = self.host.sample()
-            if other is not None:
-                self.host_cores.labels(**self.labels).set(other)
-                self.host_at = now
+        self._host(now)
+
+    def _host(self, now: float) -> None:
+        """The other processes' cores, every HOST_EVERY seconds (a span too short for the
+        ticks is read again at the next step; a machine without /proc waits like a read)."""
+        if now - self.host_at < HOST_EVERY:
+            return
+        other = self.host.sample()
+        if other is not None:
+            self.host_cores.labels(**self.labels).set(other)
+        if other is not None or self.host.last is None:
+            self.host_at = now
 
     def _latencies(self, seq: Sequence, now: float) -> None:
         seen = self.metered.get(seq.id, 0)
