@@ -97,8 +97,9 @@ def worker_env(system: str, args) -> dict[str, str]:
     if not system.startswith("dsrun"):
         return hugepage_env() or dict(os.environ) if args.peer_hugepages else dict(os.environ)
     env = hugepage_env() or dict(os.environ)
-    if "@t" in system:
-        env["DSPARK_THREADS"] = str(split_threads(system)[1])
+    threads = split_threads(system)[1]
+    if threads:
+        env["DSPARK_THREADS"] = threads
     return env
 
 
@@ -116,11 +117,13 @@ def start(systems: list[str], args) -> dict[str, subprocess.Popen]:
 
 def drive(args, count: int) -> dict[str, list[dict]]:
     spin = [sys.executable, "-c", "while True: pass"]
-    early = subprocess.Popen(spin) if getattr(args, "load_from_start", False) else None
-    workers = start(args.systems, args)
-    load = early or (subprocess.Popen(spin) if args.background_load else None)
+    load = subprocess.Popen(spin) if getattr(args, "load_from_start", False) else None
+    workers: dict[str, subprocess.Popen] = {}
     runs: dict[str, list[dict]] = {s: [] for s in args.systems}
     try:
+        workers = start(args.systems, args)
+        if load is None and args.background_load:
+            load = subprocess.Popen(spin)
         for r in range(args.repeats):
             log(f"repeat {r + 1}/{args.repeats}")
             for i in range(count):
@@ -159,13 +162,13 @@ def ratio_interval(runs: list[dict], base: list[dict], draws: int = 2000, seed: 
 
 
 def _plain_of(system: str) -> str:
-    name, _, threads = system.partition("@t")
+    name, threads = split_threads(system)
     return name.rsplit("-", 1)[0] + "-plain" + (f"@t{threads}" if threads else "")
 
 
 def _lossless(system: str, same: bool | None) -> bool:
     """Plain, or speculation whose greedy tokens equal its plain mode's (sampled: assumed)."""
-    return system.partition("@t")[0].endswith("-plain") or same is not False
+    return split_threads(system)[0].endswith("-plain") or same is not False
 
 
 def _best(tps: dict[str, float], kind: str, int4: bool, same: dict | None) -> float | None:
