@@ -1,19 +1,23 @@
-"""Would a draft cut from the main itself pay? Early exit and layer skipping, measured.
+"""Would a draft cut from the main itself pay? Early exit, skipped layers, fewer bits.
 
     python samples/self_draft_probe.py [--model build/peers/hf] [--max-tokens 128]
 
-A self-speculative draft (early exit from the main's own layers, or the main with some
-layers skipped, no training) needs no second model, which is what an int4 main lacks: its
-only smaller sibling is itself at fewer bits. This probe measures what such drafts would
-hold. The main (the Hugging Face folder `bench_peers.py --setup` writes: the sample's fp32
-weights) decodes the peer prompts greedily; then, teacher-forced on those outputs, each
-candidate draft's top-1 is compared with the main's at every generated position. That
-share is the draft's per-token acceptance a.
+A self-speculative draft (early exit from the main's own layers, the main with some
+layers skipped, or its layers' weights at fewer bits, no training) needs no second model,
+which is what an int4 main lacks: its only smaller sibling is itself at fewer bits. This
+probe measures what such drafts would hold. The fewer-bit drafts round every projection of
+the layers to 2 or 3 bits per weight, blocks of 32 with a scale and a min (the int4 main's
+own layout, Q4_1, at fewer levels), the head as it is. The main (the Hugging Face folder
+`bench_peers.py --setup` writes: the sample's fp32 weights) decodes the peer prompts
+greedily; then, teacher-forced on those outputs, each candidate draft's top-1 is compared
+with the main's at every generated position. That share is the draft's per-token
+acceptance a.
 
 The printed bound is generous to the draft: its cost is taken as kept / all layers of a
-main step (its own head and per-node overhead left out) and a verify as one main step, so
-a window of g yields (1 - a^(g+1)) / (1 - a) tokens for g * cost + 1 steps. A draft whose
-bound stays under 1 cannot pay on any window.
+main step (its own head and per-node overhead left out), or bits / 4 of an int4 main's
+step (as if a step were all weight bytes, its head at fewer bits too), and a verify as one
+main step, so a window of g yields (1 - a^(g+1)) / (1 - a) tokens for g * cost + 1 steps.
+A draft whose bound stays under 1 cannot pay on any window.
 """
 
 from __future__ import annotations
@@ -39,6 +43,28 @@ def candidates(layers: int) -> dict[str, list[int]]:
     spread = {f"skip {n} of the middle": list(range(3, layers - 2, (layers - 5) // n))[:n]
               for n in (2, 4, 6)}
     return {**exits, **spread}
+
+
+def round_bits(w, bits: int, block: int = 32):
+    """w [out, in] on a `bits`-bit grid per block of `block` inputs: (w - min) / scale
+    rounded to 0 .. 2^bits - 1, scale = (max - min) / (2^bits - 1), then back."""
+    rows, cols = w.shape
+    b = w.reshape(rows, cols // block, block)
+    lo = b.min(-1, keepdim=True).values
+    scale = (b.max(-1, keepdim=True).values - lo).clamp_min(1e-12) / (2 ** bits - 1)
+    return ((b - lo) / scale).round().mul(scale).add(lo).reshape(rows, cols)
+
+
+def at_bits(layers, bits: int) -> list:
+    """Round every Linear of the layers to `bits` bits; returns their weights to restore."""
+    import torch
+
+    saved = []
+    for module in layers.modules():
+        if isinstance(module, torch.nn.Linear):
+            saved.append((module, module.weight.data))
+            module.weight.data = round_bits(module.weight.data, bits)
+    return saved
 
 
 def main() -> None:
@@ -68,17 +94,29 @@ def main() -> None:
         for name, dropped in candidates(len(layers)).items():
             model.model.layers = torch.nn.ModuleList(
                 layer for i, layer in enumerate(layers) if i not in dropped)
-            held: dict[str, list[int]] = {}
-            for cls, out, n, top1 in runs:
-                draft = model(out, use_cache=False).logits[0, n - 1:-1].argmax(-1)
-                h = held.setdefault(cls, [0, 0])
-                h[0] += int((draft == top1).sum())
-                h[1] += len(top1)
+            report(name, (len(layers) - len(dropped)) / len(layers), held(model, runs))
             model.model.layers = layers
-            cost = (len(layers) - len(dropped)) / len(layers)
-            shares = {cls: a / t for cls, (a, t) in held.items()}
-            print(f"{name:24s} cost >= {cost:.2f}  " + "  ".join(
-                f"{cls} a={a:.2f} bound {bound(a, cost):.2f}x" for cls, a in shares.items()))
+        for bits in (3, 2):
+            saved = at_bits(layers, bits)
+            report(f"layers at {bits} bits", bits / 4, held(model, runs))
+            for module, weight in saved:
+                module.weight.data = weight
+
+
+def held(model, runs) -> dict[str, float]:
+    """Per class, the share of generated positions where the model's top-1 is the main's."""
+    counts: dict[str, list[int]] = {}
+    for cls, out, n, top1 in runs:
+        draft = model(out, use_cache=False).logits[0, n - 1:-1].argmax(-1)
+        h = counts.setdefault(cls, [0, 0])
+        h[0] += int((draft == top1).sum())
+        h[1] += len(top1)
+    return {cls: a / t for cls, (a, t) in counts.items()}
+
+
+def report(name: str, cost: float, shares: dict[str, float]) -> None:
+    print(f"{name:24s} cost >= {cost:.2f}  " + "  ".join(
+        f"{cls} a={a:.2f} bound {bound(a, cost):.2f}x" for cls, a in shares.items()))
 
 
 if __name__ == "__main__":
