@@ -161,3 +161,18 @@ def test_bench_profile_accounts_for_the_step(capsys, compiled, monkeypatch, segm
         assert ops["ops"]["MatMul"] > 0 and 0 < ops["kernel_ms"] <= ops["run_ms"]
         assert ("SpeculativeVerify" in ops["ops"]) != segments  # the op runs inside
     assert report["engine"]["tokens"] > 0 and report["engine"]["engine_ms_per_token"] >= 0
+
+
+def test_bench_profile_at_a_given_context(capsys, compiled):
+    """--context and --verify-tokens set where the profile's steps run; a context past the
+    bundle's length is a usage error naming the option, before anything is measured."""
+    bundle = compiled[("llama", "classic")]
+    r = run_dsrun(capsys, "bench", "--model", bundle, "--profile", "--repeats", "1", "--json",
+                  "--context", "40", "--verify-tokens", "3")
+    assert r.code == 0, r.err
+    report = json.loads(r.out)
+    assert (report["context"], report["verify_tokens"]) == (40, 3)
+    assert all(m["steps"]["verify"]["tokens"] == 3 for m in report["models"].values())
+    r = run_dsrun(capsys, "bench", "--model", bundle, "--profile", "--context", "100000")
+    assert r.code == 2
+    assert "--context" in r.err and "context length" in r.err and "Traceback" not in r.err

@@ -185,23 +185,28 @@ def generate(model: Path, prompt, prompt_ids, chat, max_tokens: int, temperature
 @click.option("--plot", type=PathArg, help="write acceptance and tokens/s per prompt (PNG)")
 @click.option("--profile", is_flag=True,
               help="instead: where a decode and a verify step spend their time")
+@click.option("--context", type=click.IntRange(min=1), default=100, show_default=True,
+              help="--profile: cached tokens the steps attend to")
+@click.option("--verify-tokens", type=click.IntRange(min=2), default=5, show_default=True,
+              help="--profile: tokens of the verify step")
 @click.option("--background-load", is_flag=True,
               help="keep one core busy with another process while measuring")
 @drafter_option
 @device_option
 def bench(model: Path, prompts, max_tokens: int, repeats: int, window, policy, policies,
-          config_path, as_json: bool, plot, profile: bool, background_load: bool, drafter,
-          device: str) -> None:
+          config_path, as_json: bool, plot, profile: bool, context: int, verify_tokens: int,
+          background_load: bool, drafter, device: str) -> None:
     """Speculative vs plain decoding on the same prompts, interleaved, in one process."""
     from dspark.runtime.cli.bench import busy_core
 
     with busy_core(background_load):
         _bench(model, prompts, max_tokens, repeats, window, policy, policies, config_path,
-               as_json, plot, profile, drafter, device)
+               as_json, plot, (context, verify_tokens) if profile else None, drafter, device)
 
 
 def _bench(model: Path, prompts, max_tokens: int, repeats: int, window, policy, policies,
-           config_path, as_json: bool, plot, profile: bool, drafter, device: str) -> None:
+           config_path, as_json: bool, plot, profile: tuple[int, int] | None, drafter,
+           device: str) -> None:
     from dspark.runtime.cli.bench import (
         format_report,
         format_sweep,
@@ -218,7 +223,12 @@ def _bench(model: Path, prompts, max_tokens: int, repeats: int, window, policy, 
     if profile:
         from dspark.runtime.cli.profile import format_profile, profile_engine
 
-        report = profile_engine(engine, repeats=max(5, 5 * repeats))
+        context, verify_tokens = profile
+        if context + verify_tokens > engine.limits.max_seq_len:
+            raise click.BadParameter(
+                f"{context} cached + {verify_tokens} verified tokens exceed the bundle's "
+                f"context length, {engine.limits.max_seq_len}", param_hint="--context")
+        report = profile_engine(engine, context, verify_tokens, repeats=max(5, 5 * repeats))
         click.echo(json.dumps(report, indent=2) if as_json else format_profile(report))
         return
     if policies:
