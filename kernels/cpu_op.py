@@ -80,21 +80,23 @@ def _compiler_version(cc: str) -> str | None:
 
 
 @functools.cache
-def op_library(cache_dir: str, cc: str) -> OpLibrary:
-    """The op library for this machine: cached, else built now (about a second)."""
+def op_library(cache_dir: str, cc: str, march: str = "native") -> OpLibrary:
+    """The op library for this machine: cached, else built now (about a second). `march`:
+    what the attention is compiled for (DSPARK_CPU_MARCH; native: this CPU)."""
     version = _compiler_version(cc)
     if version is None:
         return OpLibrary(None, f"no C compiler ({cc!r}; set CC)")
     source = b"\0".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     key = hashlib.sha256(b"\0".join([source, repr(BUILDS).encode(), version.encode(),
-                                     _cpu_signature().encode()])).hexdigest()[:16]
+                                     _cpu_signature().encode(), march.encode()])).hexdigest()[:16]
     target = Path(cache_dir) / f"dspark-cpu-op-{key}.so"
     if target.exists():
         return OpLibrary(target, f"cached {target}")
     target.parent.mkdir(parents=True, exist_ok=True)
     errors = []
     for compile_flags, link_flags, libs in BUILDS:
-        error = _build(cc, compile_flags, link_flags, libs, target)
+        flags = tuple(f"-march={march}" if f == "-march=native" else f for f in compile_flags)
+        error = _build(cc, flags, link_flags, libs, target)
         if error is None:
             log.info("built the CPU SpeculativeVerify op: %s", target)
             return OpLibrary(target, f"built {target}")
@@ -124,7 +126,7 @@ def _build(cc: str, compile_flags: tuple[str, ...], link_flags: tuple[str, ...],
 def _flags(compile_flags: tuple[str, ...], source: Path) -> list[str]:
     if source.name not in PORTABLE or platform.machine() not in ("x86_64", "AMD64"):
         return list(compile_flags)
-    return [f for f in compile_flags if f != "-march=native"] + list(BASELINE)
+    return [f for f in compile_flags if not f.startswith("-march=")] + list(BASELINE)
 
 
 @functools.cache

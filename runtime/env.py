@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -28,10 +29,16 @@ class RuntimeEnv:
     # DSPARK_CPU_ISA: MatMulInt4's path (generic, avx2, avx_vnni, avx512, avx512_vnni,
     # neon_dotprod); None: the best the CPU runs
     cpu_isa: str | None = None
+    # DSPARK_CPU_MARCH: the -march the CPU op's attention is compiled for (native: this CPU;
+    # e.g. haswell runs the AVX2 build on an AVX-512 machine)
+    cpu_march: str = "native"
 
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise DSparkError(f"DSPARK_THREADS must be >= 1, got {self.threads}")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", self.cpu_march):
+            raise DSparkError(f"DSPARK_CPU_MARCH must be a -march name, e.g. haswell, got "
+                              f"{self.cpu_march!r}")
 
 
 def child_env(drop: tuple[str, ...]) -> dict[str, str]:
@@ -53,7 +60,8 @@ def read_env() -> RuntimeEnv:
                       cpu_op=os.environ.get("DSPARK_CPU_OP", "1") != "0",
                       cpu_int4=os.environ.get("DSPARK_CPU_INT4", "1") != "0",
                       cc=os.environ.get("CC") or "cc",
-                      cpu_isa=os.environ.get("DSPARK_CPU_ISA") or None)
+                      cpu_isa=os.environ.get("DSPARK_CPU_ISA") or None,
+                      cpu_march=os.environ.get("DSPARK_CPU_MARCH") or "native")
 
 
 @functools.cache

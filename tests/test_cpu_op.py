@@ -35,9 +35,21 @@ INVALID = ort.capi.onnxruntime_pybind11_state.InvalidArgument
 FEEDS = ("q", "k", "v", "k_pool", "v_pool", "tables", "starts", "qoffs", "news")
 
 
-@pytest.fixture(scope="module")
-def library():
-    built = op_library(kernel_cache_dir(), read_env().cc)
+def _marches() -> list[str]:
+    """The builds of the attention this machine runs: its own, and on an x86 CPU with AVX-512
+    also the AVX2 one (8 lanes, what a CPU without AVX-512 compiles)."""
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
+    except OSError:
+        pass
+    return ["native"] + (["haswell"] if {"avx512f", "avx2", "fma"} <= flags else [])
+
+
+@pytest.fixture(scope="module", params=_marches())
+def library(request):
+    built = op_library(kernel_cache_dir(), read_env().cc, request.param)
     assert built.path is not None, built.reason  # the test machines have a C compiler
     return built.path
 
@@ -122,6 +134,43 @@ def test_a_window_agrees_with_decoding_its_tokens_one_by_one(library, geometry, 
     steps = np.concatenate([run(slice(j, j + 1), int(starts[0]) + j, pools).reshape(1, -1)
                             for j in range(6)])
     np.testing.assert_array_equal(window.reshape(6, -1), steps)
+
+
+@pytest.mark.parametrize("span", [0, 40])
+@pytest.mark.parametrize("geometry", FAST_GEOMETRIES, ids=lambda g: f"d{g[0]}h{g[1]}kv{g[2]}")
+def test_a_window_at_a_long_context_agrees_with_its_steps(library, geometry, span):
+    """At 203 cached tokens the keys are scored 16 at a time where a run fills a cache block
+    and one by one elsewhere, and a long context's window is cut into several work items:
+    a 9-token window still equals its nine one-token steps bit for bit, and the reference
+    within float tolerance."""
+    dim, heads, kv = geometry
+    rng, _ = _seeded("long-window", geometry, span)
+    start, n, block = 203, 9, 16
+    need = -(-(start + n) // block)
+    blocks = need + 5
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    q, k, v = f32(n, heads, dim), f32(n, kv, dim), f32(n, kv, dim)
+    k_pool, v_pool = f32(blocks, kv, block, dim), f32(blocks, kv, block, dim)
+    tables = rng.permutation(blocks)[None, :need].astype(np.int64)
+    sess = _op_session(library, heads, kv, dim, "tokens", window=span)
+
+    def run(rows: slice, at: int, pools) -> np.ndarray:
+        [out] = sess.run(["out"], dict(zip(FEEDS, (
+            _graph_view(q[rows], "tokens"), _graph_view(k[rows], "tokens"),
+            _graph_view(v[rows], "tokens"), *pools, tables, np.array([at], np.int64),
+            np.zeros(1, np.int64), np.array([rows.stop - rows.start], np.int64)))))
+        return out[0]
+
+    written = (k_pool.copy(), v_pool.copy())
+    window = run(slice(0, n), start, written)
+    pools = (k_pool.copy(), v_pool.copy())
+    steps = np.concatenate([run(slice(j, j + 1), start + j, pools) for j in range(n)])
+    np.testing.assert_array_equal(window, steps)
+    t = torch.from_numpy
+    want = verify_attention_reference(t(q), t(written[0]), t(written[1]), t(tables),
+                                      t(np.array([start])), t(np.array([n])),
+                                      t(np.zeros(1, np.int64)), dim ** -0.5, span)
+    assert_close(t(np.ascontiguousarray(window)).reshape(q.shape), want, 2e-5)
 
 
 def test_loading_the_op_leaves_the_process_floating_point_state(library):

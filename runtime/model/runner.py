@@ -39,7 +39,8 @@ def cpu_model(bundle: Bundle, role: str, arena: KVArena, pool: str
     DSPARK_CPU_ISA names (int4_rows.py; DSPARK_CPU_INT4=0: not)."""
     env = read_env()
     float32 = arena.pools[pool].k[0].dtype == torch.float32
-    library = op_library(kernel_cache_dir(), env.cc) if env.cpu_op and float32 else None
+    library = (op_library(kernel_cache_dir(), env.cc, env.cpu_march) if env.cpu_op and float32
+               else None)
     if library is not None and library.path is not None:
         path = int4_path(int4_paths(library.path), env.cpu_int4, env.cpu_isa)
         model = FusedModel(bundle, role, arena, pool, library.path, int4_path=path)
