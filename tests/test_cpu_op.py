@@ -264,3 +264,17 @@ def test_fallbacks_to_segments(compiled, monkeypatch):
     monkeypatch.delenv("CC")
     monkeypatch.setenv("DSPARK_CPU_OP", "0")
     assert isinstance(cpu_model(bundle, "main", arena, "main"), SegmentedModel)
+
+
+def test_the_march_must_be_a_name(monkeypatch):
+    """DSPARK_CPU_MARCH goes on the compiler's command line: only a -march name is taken."""
+    from dspark.runtime.errors import DSparkError
+
+    for bad in ("native -O0", "-fsanitize=address", "x;y"):
+        monkeypatch.setenv("DSPARK_CPU_MARCH", bad)
+        with pytest.raises(DSparkError, match="DSPARK_CPU_MARCH must be a -march name"):
+            read_env()
+    monkeypatch.setenv("DSPARK_CPU_MARCH", "x86-64-v3")
+    assert read_env().cpu_march == "x86-64-v3"
+    monkeypatch.delenv("DSPARK_CPU_MARCH")
+    assert read_env().cpu_march == "native"
