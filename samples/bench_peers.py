@@ -213,12 +213,16 @@ def summarise(runs: dict[str, list[dict]], args) -> dict:
 
 
 def cpu_line() -> str:
-    """The CPU's model and flags, and MatMulInt4's path when DSPARK_CPU_ISA forces one."""
+    """The CPU's model and flags, MatMulInt4's path when DSPARK_CPU_ISA forces one, and the
+    attention's -march when DSPARK_CPU_MARCH sets one."""
     from dspark.runtime.env import read_env
     from dspark.runtime.model.device import cpu_line as line
 
-    forced = read_env().cpu_isa
-    return line() + (f"; dsrun's MatMulInt4 forced to its {forced} path" if forced else "")
+    env = read_env()
+    forced = f"; dsrun's MatMulInt4 forced to its {env.cpu_isa} path" if env.cpu_isa else ""
+    if env.cpu_march != "native":
+        forced += f"; its attention built for -march={env.cpu_march}"
+    return line() + forced
 
 
 def _x(value: float | None) -> str:

@@ -41,14 +41,15 @@ REPORTS = [
      "MatMulInt4 path this CPU runs and MatMulNBits with each zero-point form; the ratio is to "
      "MatMulNBits symmetric."),
     ("peers_avx2.json", "dsrun on its AVX2 path",
-     "DSPARK_CPU_ISA=avx2 python samples/bench_peers.py --repeats 2 --systems dsrun-fp32-plain "
-     "dsrun-fp32-default dsrun-q4-plain dsrun-q4-default --json build/reports/peers_avx2.json",
-     "MatMulInt4 forced to its AVX2 path (what an AVX2-only CPU runs; onnxruntime's own "
-     "kernels keep the CPU's best)."),
-    ("peers_loaded_avx2.json", "dsrun on its AVX2 path, one core busy",
-     "DSPARK_CPU_ISA=avx2 python samples/bench_peers.py --repeats 2 --background-load "
+     "DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell python samples/bench_peers.py --repeats 2 "
      "--systems dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default "
-     "--json build/reports/peers_loaded_avx2.json",
+     "--json build/reports/peers_avx2.json",
+     "MatMulInt4 forced to its AVX2 path and the attention built for AVX2 (what an AVX2-only "
+     "CPU runs; onnxruntime's own kernels keep the CPU's best)."),
+    ("peers_loaded_avx2.json", "dsrun on its AVX2 path, one core busy",
+     "DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell python samples/bench_peers.py --repeats 2 "
+     "--background-load --systems dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain "
+     "dsrun-q4-default --json build/reports/peers_loaded_avx2.json",
      "Both at once: the AVX2 path and another process spinning on one core."),
     ("peers_threads_loaded.json", "One thread against two, one core busy",
      "python samples/bench_peers.py --repeats 2 --background-load --systems dsrun-q4-plain "
