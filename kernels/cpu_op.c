@@ -274,16 +274,6 @@ static inline __attribute__((always_inline)) void attend_group(
   }
 }
 
-static void attend_fast(const Call *c, int64_t s, int64_t g, int64_t j0, int64_t j1,
-                        float *scores) {
-  switch (c->group) {
-    case 1: attend_group(c, s, g, j0, j1, scores, 1); break;
-    case 2: attend_group(c, s, g, j0, j1, scores, 2); break;
-    case 3: attend_group(c, s, g, j0, j1, scores, 3); break;
-    default: attend_group(c, s, g, j0, j1, scores, 4); break;
-  }
-}
-#define HAVE_FAST 1
 #elif defined(__GNUC__)
 /* The same for CPUs without AVX-512 (AVX2's 16 registers of 8 lanes; NEON takes a vector as
    two): each 16-lane vector of the path above is two of 8 (lo: lanes 0-7, hi: 8-15) and the
@@ -311,7 +301,7 @@ static inline float sum16_halves(vec8 lo, vec8 hi) { /* halves, quarters, pairs,
   return v[0];
 }
 
-static inline __attribute__((always_inline)) void attend_group8(
+static inline __attribute__((always_inline)) void attend_group(
     const Call *c, int64_t s, int64_t g, int64_t j0, int64_t j1, float *scores,
     const int64_t group) {
   const int64_t *table = c->tables + s * c->max_blocks;
@@ -362,13 +352,16 @@ static inline __attribute__((always_inline)) void attend_group8(
   }
 }
 
+#endif
+
+#if defined(__GNUC__)
 static void attend_fast(const Call *c, int64_t s, int64_t g, int64_t j0, int64_t j1,
                         float *scores) {
   switch (c->group) {
-    case 1: attend_group8(c, s, g, j0, j1, scores, 1); break;
-    case 2: attend_group8(c, s, g, j0, j1, scores, 2); break;
-    case 3: attend_group8(c, s, g, j0, j1, scores, 3); break;
-    default: attend_group8(c, s, g, j0, j1, scores, 4); break;
+    case 1: attend_group(c, s, g, j0, j1, scores, 1); break;
+    case 2: attend_group(c, s, g, j0, j1, scores, 2); break;
+    case 3: attend_group(c, s, g, j0, j1, scores, 3); break;
+    default: attend_group(c, s, g, j0, j1, scores, 4); break;
   }
 }
 #define HAVE_FAST 1
