@@ -12,8 +12,10 @@ from cli_helpers import run_dsrun
 
 def test_generate_json_and_plain_agree(capsys, compiled):
     bundle = compiled[("gpt2", "classic")]
+    # --drafter draft: the draft model drafts every round (the default hybrid may find, from
+    # the tiny model's measured costs, that no draft pays, and draft nothing)
     r = run_dsrun(capsys, "generate", "--model", bundle, "--prompt-ids", "1,2,3,4",
-                  "--max-tokens", "16", "--json")
+                  "--max-tokens", "16", "--json", "--drafter", "draft")
     assert r.code == 0, r.err
     spec = json.loads(r.out)
     assert len(spec["token_ids"]) == 16 and spec["finish_reason"] == "length"
