@@ -19,13 +19,23 @@ from dspark.runtime.model.sessions import make_session
 K, BLOCK = 64, 16
 
 
-def _nbits(rng, name: str, x: str, n: int, level: int, block: int = BLOCK, bias: bool = False):
+def _nbits(rng, name: str, x: str, n: int, level: int, block: int = BLOCK, bias: bool = False,
+           zero_points: str | None = None):
+    """zero_points: None, "uint8" (packed two a byte, as B) or "float" (one a block)."""
     blocks = K // block
     inits = [numpy_helper.from_array(rng.integers(0, 256, (n, blocks, block // 2), np.uint8),
                                      f"{name}_B"),
              numpy_helper.from_array(rng.uniform(0.01, 0.1, n * blocks).astype(np.float32),
                                      f"{name}_s")]
     inputs = [x, f"{name}_B", f"{name}_s"]
+    if zero_points == "uint8":
+        packed = rng.integers(0, 256, (n, (blocks + 1) // 2), np.uint8)
+        inits.append(numpy_helper.from_array(packed.reshape(-1), f"{name}_zp"))
+        inputs.append(f"{name}_zp")
+    elif zero_points == "float":
+        mins = rng.uniform(0.0, 15.0, n * blocks).astype(np.float32)
+        inits.append(numpy_helper.from_array(mins, f"{name}_zp"))
+        inputs.append(f"{name}_zp")
     if bias:
         inits.append(numpy_helper.from_array(rng.standard_normal(n).astype(np.float32),
                                              f"{name}_bias"))
@@ -35,11 +45,12 @@ def _nbits(rng, name: str, x: str, n: int, level: int, block: int = BLOCK, bias:
     return node, inits
 
 
-def _model(level: int, extra: list[tuple[str, dict]]) -> onnx.ModelProto:
+def _model(level: int, extra: list[tuple[str, dict]], zero_points: str | None = None
+           ) -> onnx.ModelProto:
     rng = np.random.default_rng(level)
     nodes, inits, outs = [], [], []
     for name, n in (("q", 32), ("k", 16), ("v", 16)):
-        node, i = _nbits(rng, name, "x", n, level)
+        node, i = _nbits(rng, name, "x", n, level, zero_points=zero_points)
         nodes.append(node)
         inits += i
         outs.append(name)
@@ -75,6 +86,22 @@ def test_joined_projections_compute_the_same_values(level):
     x = np.random.default_rng(7).standard_normal((5, K)).astype(np.float32)
     want, got = _run(model, x), _run(fused, x)
     assert want.keys() == got.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.parametrize("zero_points", ["uint8", "float"])
+def test_projections_with_zero_points_join(zero_points):
+    """A GGUF Q4_1 model's projections carry mins (float zero points); packed uint8 ones
+    join too. Siblings with zero points of another kind, or none, stay apart."""
+    other = "float" if zero_points == "uint8" else "uint8"
+    model = _model(4, [("plain", {}), ("other", {"zero_points": other})], zero_points)
+    graph = gs.import_onnx(model)
+    assert fuse_projections(graph) == 2
+    fused = gs.export_onnx(graph)
+    assert Counter(n.op_type for n in fused.graph.node)["MatMulNBits"] == 3
+    x = np.random.default_rng(3).standard_normal((4, K)).astype(np.float32)
+    want, got = _run(model, x), _run(fused, x)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 

@@ -108,6 +108,9 @@ def test_int4_copy_on_the_mains_cache_runs_matmulint4_and_stays_lossless(int4_se
     graph = onnx.load(str(bundle.path(bundle.model("draft").graph_file)), load_external_data=False)
     nbits = sum(n.op_type == "MatMulNBits" for n in graph.graph.node)
     assert nbits > 0 and draft.int4_projections == (nbits if draft.int4_path else 0)
+    # q/k/v and gate/up, with their float zero points (the Q4_1 mins), joined: 2 + 1 a layer
+    layers = bundle.model("draft").num_layers
+    assert bundle.manifest.stage1["draft"]["passes"]["projections_joined"] == 3 * layers
     assert draft.int4_path == int4_path(int4_paths(draft.library), True, None)
     rng = np.random.default_rng(5)
     prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in (4, 19, 33)]
