@@ -168,3 +168,22 @@ def test_tenant_corpus_serves_later_requests_of_the_same_tenant():
         state = DraftState()
         drafter.propose([DraftWork(_seq([9, 2, 3], seq_id=2, tenant=tenant), state, 3)])
         assert state.tokens == want
+
+
+@pytest.mark.parametrize("case", ["spread", "peaked", "ties"])
+def test_greedy_confidence_is_the_softmaxs_top1_and_top3_entropy(case):
+    """The greedy drafter's shortcut (argmax for the top 3, one exp pass) gives what
+    confidence() gives on the float64 softmax: top-1 probability, renormalised top-3
+    entropy; the logits are left as they were."""
+    from dspark.runtime.drafting.model import confidence, greedy_confidence
+
+    rng = np.random.default_rng(11)
+    logits = {"spread": rng.standard_normal(49152) * 3,
+              "peaked": np.concatenate([[40.0], rng.standard_normal(999)]),
+              "ties": np.array([2.0, 5.0, 5.0, 1.0, 5.0])}[case].astype(np.float32)
+    before = logits.copy()
+    p = np.exp(logits.astype(np.float64) - logits.max())
+    want = confidence(p / p.sum())
+    got = greedy_confidence(logits)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(logits, before)

