@@ -12,6 +12,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from cpu_builds import marches
 from onnx import TensorProto, helper
 from test_cpu_kernel import _case
 from test_kernels import GEOMETRIES, _seeded, assert_close
@@ -35,19 +36,7 @@ INVALID = ort.capi.onnxruntime_pybind11_state.InvalidArgument
 FEEDS = ("q", "k", "v", "k_pool", "v_pool", "tables", "starts", "qoffs", "news")
 
 
-def _marches() -> list[str]:
-    """The builds of the attention this machine runs: its own, and on an x86 CPU with AVX-512
-    also the AVX2 one (8 lanes, what a CPU without AVX-512 compiles)."""
-    flags = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
-    except OSError:
-        pass
-    return ["native"] + (["haswell"] if {"avx512f", "avx2", "fma"} <= flags else [])
-
-
-@pytest.fixture(scope="module", params=_marches())
+@pytest.fixture(scope="module", params=marches())
 def library(request):
     built = op_library(kernel_cache_dir(), read_env().cc, request.param)
     assert built.path is not None, built.reason  # the test machines have a C compiler
