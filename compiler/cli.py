@@ -1,4 +1,4 @@
-"""dsc: the DSpark compiler CLI (compile, quantize, inspect, verify)."""
+"""dsc: the DSpark compiler CLI (compile, quantize, datastore, inspect, verify)."""
 
 from __future__ import annotations
 
@@ -96,6 +96,28 @@ def quantize_cmd(main: Path, out: Path, head_bits: str, force: bool) -> None:
                f"them exactly (weights already on the grid), head "
                f"{report.head or 'none found'}, embedding at 8 bits {embedding}, "
                f"{report.kept} float MatMuls kept")
+
+
+@cli.command("datastore")
+@click.argument("bundle", type=PathArg)
+@click.option("--prompts", "prompts", type=PathArg, required=True,
+              help="JSONL prompts ('chat', 'prompt' or 'prompt_ids' per line), like your traffic")
+@click.option("--max-tokens", type=click.IntRange(1, 4096), default=256, show_default=True,
+              help="tokens the main writes per prompt")
+@click.option("--max-n", type=click.IntRange(1, 8), default=4, show_default=True,
+              help="the longest n-gram the store keys on")
+def datastore_cmd(bundle: Path, prompts: Path, max_tokens: int, max_n: int) -> None:
+    """Add a lookup datastore to BUNDLE: what its main writes after each n-gram, over its own
+    greedy outputs on PROMPTS. Lookup drafting falls back to it where a request's context has
+    no match; its drafts are verified, so output never changes."""
+    from dspark.compiler.datastore import build_datastore
+
+    if not prompts.is_file():
+        raise click.UsageError(f"--prompts {prompts}: no such file")
+    report = build_datastore(bundle, prompts, max_tokens, max_n)
+    click.echo(f"wrote {bundle / 'lookup_store.npz'}: {report.entries} n-grams from "
+               f"{report.tokens} tokens the main wrote for {report.prompts} prompts "
+               f"({report.bytes / 2**20:.1f} MiB)")
 
 
 @cli.command("inspect")

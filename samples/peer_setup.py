@@ -45,6 +45,7 @@ BUNDLES = {"fp32": ROOT / "build" / "smollm2.dsmodel",
            "optimum": ROOT / "build" / "smollm2-optimum.dsmodel",
            "gemma3": ROOT / "build" / "gemma3.dsmodel",
            "gemma3genai": ROOT / "build" / "gemma3-genai.dsmodel"}
+STORE_PROMPTS = ROOT / "samples" / "prompts" / "datastore_prompts.jsonl"
 PEER_PACKAGES = ["onnxruntime-genai", "onnx_ir", "onnxscript", "transformers", "onnx", "numpy"]
 LLAMA_SDIST = "llama-cpp-python"
 
@@ -207,3 +208,9 @@ def setup_bundles() -> None:
     if not BUNDLES["genai4"].exists():
         log("compiling onnxruntime-genai's int4 build ...")
         run([dsc, "compile", GENAI["int4"], "-o", BUNDLES["genai4"], "--force"])
+    # the int4 mains draft by lookup only: a datastore of their own outputs on other prompts
+    # lets lookups propose where a request's context has no copy (docs/drafting.md)
+    for name in ("q4", "genai4"):
+        if not (BUNDLES[name] / "lookup_store.npz").exists():
+            log(f"adding a lookup datastore to the {name} bundle ...")
+            run([dsc, "datastore", BUNDLES[name], "--prompts", STORE_PROMPTS])

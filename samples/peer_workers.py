@@ -30,9 +30,9 @@ def emit_runs(run, prompts: list[dict], max_tokens: int) -> None:
     for line in sys.stdin:
         i, seed = (int(x) for x in line.split())
         p = prompts[i]
-        tokens, seconds = run(p["ids"], max_tokens, seed)
+        tokens, seconds, *stats = run(p["ids"], max_tokens, seed)
         print(json.dumps({"name": p["name"], "class": p["class"], "tokens": tokens,
-                          "seconds": seconds}), flush=True)
+                          "seconds": seconds, **(stats[0] if stats else {})}), flush=True)
 
 
 def dsrun_worker(bundle: str, mode: str, prompts: list[dict], max_tokens: int,
@@ -45,12 +45,13 @@ def dsrun_worker(bundle: str, mode: str, prompts: list[dict], max_tokens: int,
     spec = mode != "plain"
     method = None if mode in ("plain", "default") else mode
 
-    def run(ids: list[int], n: int, seed: int) -> tuple[list[int], float]:
+    def run(ids: list[int], n: int, seed: int) -> tuple[list[int], float, dict]:
         request = GenerationRequest(tuple(ids), n, SamplingParams(temperature, seed=seed),
                                     speculative=spec, method=method)
         t0 = time.perf_counter()
         [seq] = engine.generate([request])
-        return seq.generated, time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        return seq.generated, seconds, {"stats": seq.stats.summary()}
 
     emit_runs(run, prompts, max_tokens)
 

@@ -24,6 +24,7 @@ from dspark.runtime.bundle.manifest import Manifest
 from dspark.runtime.bundle.memory_plan import MemoryPlan
 from dspark.runtime.bundle.spec import ModelSpec
 from dspark.runtime.bundle.token_map import TokenMap
+from dspark.runtime.drafting.datastore import STORE_FILE, Datastore
 from dspark.runtime.errors import BundleError
 from dspark.runtime.version import BUNDLE_FORMAT_VERSION
 
@@ -97,6 +98,13 @@ class Bundle:
             if role in entry["roles"]:
                 return KernelSpec(**entry["spec"])
         raise BundleError(f"{self.root / KERNELS_INDEX}: no kernel spec for {role!r}")
+
+    @property
+    def datastore(self) -> Datastore | None:
+        """The lookup datastore `dsc datastore` added (listed, so hash-checked), if any."""
+        if STORE_FILE not in self.manifest.files:
+            return None
+        return Datastore.load(self.root / STORE_FILE)
 
     @property
     def tokenizer_dir(self) -> Path | None:

@@ -73,6 +73,7 @@ class LookupConfig:
     max_tokens: int = 8  # drafts per round at most (the request's and tenant's caps apply too)
     min_survival: float = 0.05  # stop drafting below this estimated survival
     tenant_corpus_size: int = 0  # finished requests per tenant also searched (0: off)
+    use_store: bool = True  # the bundle's datastore (dsc datastore) where the context has none
 
     def validate(self, path: str) -> None:
         _check(1 <= self.min_ngram <= self.max_ngram <= 16, f"{path}.max_ngram",

@@ -171,7 +171,8 @@ class HybridDrafter:
         pending = self.survivals(seq)
         if self.model is None or window <= 0:
             return 0
-        if pending and pending[0] >= self.chooser.config.lookup_trust:
+        if (pending and pending[0] >= self.chooser.config.lookup_trust
+                and not self.lookup.from_store(seq)):
             return 0  # a confident lookup: verified as is, no draft forward spent
         # The model's catch-up beyond a round's usual one or two tokens: a prompt it never
         # read is paid once (spread over the output left), output it sat out in lookup

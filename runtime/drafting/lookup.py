@@ -10,6 +10,11 @@ matched occurrences. It drafts until the proposal's estimated survival (the prod
 step confidences) drops below `min_survival`; how many of those drafts are verified is
 decided with the others' (the round's slot selection weighs each by its survival against
 the verify's cost).
+
+Where the sequence's own context (and its tenant's corpus) has no match, the bundle's
+datastore of the model's own outputs (`datastore.py`) may propose; its proposals learn their
+own rates (a corpus match is a weaker promise than a copy in the context), and the hybrid
+does not take one as sure enough to skip the draft model (`from_store`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from collections import OrderedDict
 
 from dspark.runtime.bundle.config import LookupConfig
 from dspark.runtime.drafting.base import DraftWork
+from dspark.runtime.drafting.datastore import Datastore
 from dspark.runtime.drafting.ngram_index import NgramIndex
 from dspark.runtime.sequence.request import Sequence
 
@@ -25,23 +31,33 @@ SOURCE = "lookup"
 FIRST_PRIOR = {1: 0.15, 2: 0.4, 3: 0.65}  # n >= 4: LONG_PRIOR
 LONG_PRIOR = 0.75
 NEXT_PRIOR = 0.85
+# a datastore match (the model's outputs on other prompts), measured on the q4 bundle's
+# greedy outputs of the 12 peer prompts against a 60-prompt store: the first token held
+# 20 / 34 / 32 / 62% of the time after a 1- / 2- / 3- / 4-token match (times the step's
+# agreement, as here, 75% at n = 4)
+STORE_FIRST_PRIOR = {1: 0.2, 2: 0.35, 3: 0.4}
+STORE_LONG_PRIOR = 0.75
+STORE_NEXT_PRIOR = 0.7
 PRIOR_WEIGHT = 20.0  # observations the priors are worth
 
 
 class MatchStats:
-    """What verification taught about lookup proposals (engine-wide)."""
+    """What verification taught about lookup proposals (engine-wide), from priors."""
 
-    def __init__(self, max_n: int):
+    def __init__(self, max_n: int, first: dict[int, float] | None = None,
+                 longer: float = LONG_PRIOR, following: float = NEXT_PRIOR):
         self.first = {n: [0, 0] for n in range(1, max_n + 1)}  # n -> [accepted, verified]
         self.next = [0, 0]  # a later token held, given the one before it did
+        self.priors = (FIRST_PRIOR if first is None else first, longer, following)
 
     def first_rate(self, n: int) -> float:
         acc, tries = self.first.get(n, (0, 0))
-        return (acc + PRIOR_WEIGHT * FIRST_PRIOR.get(n, LONG_PRIOR)) / (tries + PRIOR_WEIGHT)
+        first, longer, _ = self.priors
+        return (acc + PRIOR_WEIGHT * first.get(n, longer)) / (tries + PRIOR_WEIGHT)
 
     def next_rate(self) -> float:
         acc, tries = self.next
-        return (acc + PRIOR_WEIGHT * NEXT_PRIOR) / (tries + PRIOR_WEIGHT)
+        return (acc + PRIOR_WEIGHT * self.priors[2]) / (tries + PRIOR_WEIGHT)
 
     def observe(self, n: int, verified: int, accepted: int) -> None:
         """A proposal (match length n) had `verified` tokens checked, `accepted` held."""
@@ -82,13 +98,18 @@ class TenantCorpus:
 class LookupDrafter:
     name = "lookup"
 
-    def __init__(self, config: LookupConfig):
+    def __init__(self, config: LookupConfig, store: Datastore | None = None):
         self.config = config
         self.indexes: dict[int, NgramIndex] = {}
         self.corpus = TenantCorpus(config.tenant_corpus_size)
-        # greedy and sampled requests learn apart: a sample follows the context less often
-        self.stats = {greedy: MatchStats(config.max_ngram) for greedy in (True, False)}
-        self.match_len: dict[int, int] = {}  # seq id -> n of its pending proposal
+        self.store = store
+        # greedy and sampled requests learn apart: a sample follows the context less often;
+        # context matches and datastore matches too
+        self.stats = {(greedy, origin): MatchStats(
+            max(config.max_ngram, store.max_n if store else 0),
+            *((STORE_FIRST_PRIOR, STORE_LONG_PRIOR, STORE_NEXT_PRIOR) if origin else ()))
+            for greedy in (True, False) for origin in (False, True)}
+        self.match_len: dict[int, tuple[bool, int]] = {}  # seq id -> (from store, n) pending
 
     def configure(self, config) -> None:
         self.config = config.drafting.lookup
@@ -112,7 +133,12 @@ class LookupDrafter:
             n, tokens, agree = self.index(w.seq).walk(tail, want)
             if not tokens:
                 n, tokens, agree = self.corpus.walk(w.seq.tenant, tail, want)
-            stats = self.stats[w.seq.request.sampling.greedy]
+            stored = not tokens and self.store is not None and self.config.use_store
+            if stored:
+                n, tokens, agree = self.store.walk(
+                    (w.seq.tokens[-self.store.max_n:] + w.state.tokens)[-self.store.max_n:],
+                    want)
+            stats = self.stats[w.seq.request.sampling.greedy, stored]
             survival, rate, added = 1.0, stats.first_rate(n), 0
             for token, a in zip(tokens, agree):
                 survival *= rate * a
@@ -121,12 +147,16 @@ class LookupDrafter:
                 w.state.add(token, SOURCE, None, rate * a)
                 rate, added = stats.next_rate(), added + 1
             if added:
-                self.match_len[w.seq.id] = n
+                self.match_len[w.seq.id] = (stored, n)
+
+    def from_store(self, seq: Sequence) -> bool:
+        """Whether the sequence's pending lookup proposal came from the datastore."""
+        return self.match_len.get(seq.id, (False, 0))[0]
 
     def observe(self, seq: Sequence, verified: int, accepted: int) -> None:
         """Verification of the sequence's leading pending lookup drafts."""
-        self.stats[seq.request.sampling.greedy].observe(self.match_len.get(seq.id, 0), verified,
-                                                        accepted)
+        stored, n = self.match_len.get(seq.id, (False, 0))
+        self.stats[seq.request.sampling.greedy, stored].observe(n, verified, accepted)
 
     def trim(self, seq: Sequence, valid: int) -> None:
         pass  # the index covers accepted tokens only, which never roll back

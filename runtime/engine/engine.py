@@ -84,9 +84,9 @@ class Engine:
         self.planner = WindowPlanner(self.config, self.costs, self.resources, self.balancer,
                                      bool(self.draft_models), policy or (
                                          "fixed" if window else None), window)
-        self.drafting: Drafting = HybridDrafter(LookupDrafter(self.config.drafting.lookup),
-                                      _model_drafter(self, bundle),
-                                      SourceChooser(self.config.drafting, self.costs))
+        lookup = LookupDrafter(self.config.drafting.lookup, bundle.datastore)
+        self.drafting: Drafting = HybridDrafter(lookup, _model_drafter(self, bundle),
+                                                SourceChooser(self.config.drafting, self.costs))
         self.eos_ids = frozenset(eos_ids)
         self.decode = decode
         self.grammars = grammars
