@@ -32,6 +32,9 @@ class RuntimeEnv:
     # DSPARK_CPU_MARCH: the -march the CPU op's attention is compiled for (native: this CPU;
     # e.g. haswell runs the AVX2 build on an AVX-512 machine)
     cpu_march: str = "native"
+    # DSPARK_THREADS=adaptive: the pool at every core, plus a one-thread session per CPU model
+    # that forwards take while other processes hold cores (runtime/model/load_gate.py)
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -49,10 +52,11 @@ def child_env(drop: tuple[str, ...]) -> dict[str, str]:
 def read_env() -> RuntimeEnv:
     raw = os.environ.get("DSPARK_THREADS", "")
     try:
-        threads = (int(raw) if raw and raw != "auto" else
-                   _free_cores() if raw else (os.cpu_count() or 1))
+        threads = (int(raw) if raw and raw not in ("auto", "adaptive") else
+                   _free_cores() if raw == "auto" else (os.cpu_count() or 1))
     except ValueError:
-        raise DSparkError(f"DSPARK_THREADS must be an integer or auto, got {raw!r}") from None
+        raise DSparkError(f"DSPARK_THREADS must be an integer, auto or adaptive, got {raw!r}"
+                          ) from None
     cache_dir = os.environ.get("DSPARK_CACHE", os.path.join(os.getcwd(), "build"))
     debug = os.environ.get("DSPARK_DEBUG", "") not in ("", "0")
     return RuntimeEnv(threads=threads, cache_dir=cache_dir, debug=debug,
@@ -61,7 +65,8 @@ def read_env() -> RuntimeEnv:
                       cpu_int4=os.environ.get("DSPARK_CPU_INT4", "1") != "0",
                       cc=os.environ.get("CC") or "cc",
                       cpu_isa=os.environ.get("DSPARK_CPU_ISA") or None,
-                      cpu_march=os.environ.get("DSPARK_CPU_MARCH") or "native")
+                      cpu_march=os.environ.get("DSPARK_CPU_MARCH") or "native",
+                      adaptive=raw == "adaptive" and threads > 1)
 
 
 @functools.cache

@@ -5,7 +5,8 @@ process busy on one of two cores, a step waits for the thread that shares that c
 bundle decoded 1.45-1.76x faster at one thread than at two (docs/performance.md). The pool
 cannot follow a load that comes and goes, so the engine reports what it sees: a warning when
 its warm-up ran beside such a load, and the `dspar_host_other_cores` gauge.
-`DSPARK_THREADS=auto` (env.py) sizes the pool at start to the cores other work leaves free.
+`DSPARK_THREADS=auto` (env.py) sizes the pool at start to the cores other work leaves free;
+`DSPARK_THREADS=adaptive` follows the load as it comes and goes (model/load_gate.py).
 
 Other processes' share = (all CPUs' busy time, steal included: a hypervisor's other guests)
 - (this process's own CPU time), over the wall time between two samples.
@@ -73,5 +74,5 @@ def thread_hint(other: float | None, threads: int, cores: int) -> str | None:
         return None
     return (f"other processes kept {other:.1f} of {cores} cores busy during the warm-up; "
             f"with such a load DSPARK_THREADS={free} (the cores they leave free) decodes "
-            f"faster than {threads} threads; DSPARK_THREADS=auto measures this at start "
-            "(docs/performance.md)")
+            f"faster than {threads} threads; DSPARK_THREADS=auto measures this at start, "
+            "DSPARK_THREADS=adaptive follows it (docs/performance.md)")

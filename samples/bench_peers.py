@@ -29,10 +29,10 @@ the same weights (fp32 systems against the fp32/F32 peers, int4 ones against the
 peers); "same" compares each speculative mode's greedy tokens with its own plain mode's.
 --background-load keeps one core busy with another process for the whole run (speculation
 must never lose to plain then either). A system name may end in @tN: that worker runs with N
-threads (DSPARK_THREADS for dsrun; @tauto: DSPARK_THREADS=auto), beside the same system at
-the core count, e.g. `--systems dsrun-q4-plain dsrun-q4-plain@t1`. --load-from-start starts
-that load before the systems load and warm up (a steady load, what DSPARK_THREADS=auto
-sees). The report starts with the CPU's model and flags.
+threads (DSPARK_THREADS for dsrun; @tauto, @tadaptive: DSPARK_THREADS=auto, adaptive),
+beside the same system at the core count, e.g. `--systems dsrun-q4-plain dsrun-q4-plain@t1`.
+--load-from-start starts that load before the systems load and warm up (a steady load,
+what DSPARK_THREADS=auto sees). The report starts with the CPU's model and flags.
 """
 
 from __future__ import annotations

@@ -51,7 +51,9 @@ def dsrun_worker(bundle: str, mode: str, prompts: list[dict], max_tokens: int,
         t0 = time.perf_counter()
         [seq] = engine.generate([request])
         seconds = time.perf_counter() - t0
-        return seq.generated, seconds, {"stats": seq.stats.summary()}
+        solo = getattr(engine.main.model, "solo_forwards", 0)
+        return seq.generated, seconds, {"stats": seq.stats.summary(), "solo_forwards": solo,
+                                        "main_forwards": engine.main.forwards}
 
     emit_runs(run, prompts, max_tokens)
 

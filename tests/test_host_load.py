@@ -126,11 +126,11 @@ def test_threads_auto_leaves_a_busy_core_out(monkeypatch):
     assert threads == (os.cpu_count() or 1) - 1
 
 
-def test_threads_must_be_a_count_or_auto(monkeypatch):
+def test_threads_must_be_a_count_auto_or_adaptive(monkeypatch):
     from dspark.runtime import env
     from dspark.runtime.errors import DSparkError
 
-    for bad, why in (("two", "an integer or auto"), ("0", ">= 1")):
+    for bad, why in (("two", "an integer, auto or adaptive"), ("0", ">= 1")):
         monkeypatch.setenv("DSPARK_THREADS", bad)
         with pytest.raises(DSparkError, match=why):
             env.read_env()

@@ -290,8 +290,9 @@ class Engine:
                          {"main": [t for t in main_sizes if t < limit],
                           "draft": [t for t in draft_sizes if t < limit]})
         other = load.sample()
-        hint = (thread_hint(other, read_env().threads, os.cpu_count() or 1)
-                if self.arena.device.type == "cpu" else None)
+        env = read_env()  # adaptive threads follow the load themselves: no hint
+        hint = (thread_hint(other, env.threads, os.cpu_count() or 1)
+                if self.arena.device.type == "cpu" and not env.adaptive else None)
         if hint is not None:
             log.warning(hint)
         return {**profile, "other_cores": other}

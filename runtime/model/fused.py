@@ -28,6 +28,7 @@ from dspark.runtime.env import read_env
 from dspark.runtime.model.batch import FlatBatch
 from dspark.runtime.model.executor import StepClock, id_input_types
 from dspark.runtime.model.int4_rows import rewrite_int4
+from dspark.runtime.model.load_gate import shared_gate
 from dspark.runtime.model.sessions import make_session
 
 TABLES, STARTS, QOFFS, NEWS = "dspark_tables", "dspark_starts", "dspark_qoffs", "dspark_news"
@@ -81,7 +82,9 @@ class FusedModel:
                  profile_prefix: str | None = None, int4_path: str | None = None):
         """`pool`: the arena pool the model's attention reads and writes (a draft that shares
         the main's cache reads the main's). `library`: kernels/cpu_op.py's build.
-        `int4_path`: run its low-bit projections as MatMulInt4 on it (see fused_graph)."""
+        `int4_path`: run its low-bit projections as MatMulInt4 on it (see fused_graph).
+        Under DSPARK_THREADS=adaptive (load_gate.py) it has a session on its own pool and one
+        without, chosen per forward by the load other processes put on the cores."""
         self.spec = bundle.model(role)
         self.arena = arena
         self.pool = pool
@@ -90,22 +93,32 @@ class FusedModel:
         self.int4_path = int4_path
         graph, self.int4_projections = fused_graph(bundle, role, tuple(first.shape[1:]),
                                                    int4_path)
-        self.session = make_session(
-            graph, custom_ops=library,
-            profile_prefix=profile_prefix,
-            config={EXTERNAL_FOLDER: str(bundle.path(self.spec.graph_file).parent)})
+        config = {EXTERNAL_FOLDER: str(bundle.path(self.spec.graph_file).parent)}
+        adaptive = read_env().adaptive
+        self.session = make_session(graph, custom_ops=library, profile_prefix=profile_prefix,
+                                    config=config)
         self.sessions = [self.session]
         self.layers = sorted({op.layer for op in self.spec.verify_ops})
         self.input_types = id_input_types(self.sessions)
-        self.binding = self.session.io_binding()
-        self._bind_pools()
+        self.binding = self._bound(self.session)
+        # the same graph without a pool, for forwards while other processes hold cores;
+        # None: every forward runs on the session above
+        self.gate, self.solo, self.solo_binding = None, None, None
+        if adaptive:
+            self.gate = shared_gate()
+            self.solo = make_session(graph, custom_ops=library, config=config, solo=True)
+            self.solo_binding = self._bound(self.solo)
+        self.solo_forwards = 0
 
-    def _bind_pools(self) -> None:
+    def _bound(self, session):
+        """An IO binding of `session` with the arena's pools bound in place (zero copy)."""
+        binding = session.io_binding()
         pool = self.arena.pools[self.pool]
         for layer in self.layers:
             for name, tensor in zip(pool_inputs(layer), (pool.k[layer], pool.v[layer])):
-                self.binding.bind_input(name, "cpu", 0, np.float32, list(tensor.shape),
-                                        tensor.data_ptr())
+                binding.bind_input(name, "cpu", 0, np.float32, list(tensor.shape),
+                                   tensor.data_ptr())
+        return binding
 
     def _tables(self, batch: FlatBatch) -> np.ndarray:
         """[sequences, blocks] arena block of each sequence's logical blocks (reserved by
@@ -122,7 +135,10 @@ class FusedModel:
                 clock: StepClock | None = None) -> np.ndarray:
         """Logits [len(rows), vocab] for the chosen rows (default: every row), as
         SegmentedModel.forward."""
-        io, types = self.binding, self.input_types
+        solo = self.gate is not None and self.gate.check()
+        session, io = (self.solo, self.solo_binding) if solo else (self.session, self.binding)
+        self.solo_forwards += solo
+        types = self.input_types
         io.bind_cpu_input(INPUT_IDS, batch.token_ids[None].astype(types.get(INPUT_IDS, np.int64)))
         if POSITION_IDS in types:
             io.bind_cpu_input(POSITION_IDS,
@@ -138,7 +154,7 @@ class FusedModel:
         io.bind_output(LOGITS, "cpu")  # a fresh output each run: its row count varies
         if clock is not None:
             clock.lap("feeds")
-        self.session.run_with_iobinding(io)
+        session.run_with_iobinding(io)
         logits = io.copy_outputs_to_cpu()[0][0]
         if clock is not None:
             clock.lap("segment")

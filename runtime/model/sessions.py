@@ -34,6 +34,8 @@ def init_threads() -> bool:
 
     torch.set_num_threads(1)
     threadpool_limits(limits=1, user_api="blas")
+    if read_env().adaptive:
+        return False  # a session without a pool cannot coexist with the global one
     try:
         ort.set_global_thread_pool_sizes(read_env().threads, 1)
     except Exception:  # noqa: BLE001 - environment already created elsewhere in this process
@@ -43,20 +45,29 @@ def init_threads() -> bool:
 
 def make_session(path: str | Path | bytes, level: str = "all", optimized_path: Path | None = None,
                  config: dict[str, str] | None = None, providers: list | None = None,
-                 profile_prefix: str | None = None, custom_ops: Path | None = None
-                 ) -> ort.InferenceSession:
+                 profile_prefix: str | None = None, custom_ops: Path | None = None,
+                 solo: bool = False) -> ort.InferenceSession:
     """A session on the shared pool (`level`: none, basic or all graph optimization);
     `path` may also be a serialized model. `providers` default to the CPU's.
     `profile_prefix`: write onnxruntime's per-op profile there (end_profiling() names it).
-    `custom_ops`: a shared library of custom ops to register (kernels/cpu_op.py)."""
-    shared = init_threads()
+    `custom_ops`: a shared library of custom ops to register (kernels/cpu_op.py).
+    `solo`: no pool at all, every op on the calling thread (load_gate.py)."""
+    shared = init_threads() and not solo
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.graph_optimization_level = _LEVELS[level]
     if shared:
         so.use_per_session_threads = False
-    else:
+    elif read_env().adaptive and not solo:
+        # a pool per model, spinning within a run as the global one does, but stopped at
+        # the end of each, so an idle pool never spins against the one running (main and
+        # draft take turns; left spinning, a 27 ms main pass took 51 ms)
         so.intra_op_num_threads = read_env().threads
+        so.inter_op_num_threads = 1
+        so.add_session_config_entry("session.force_spinning_stop", "1")
+    else:
+        so.intra_op_num_threads = 1 if solo else read_env().threads
+        so.inter_op_num_threads = 1
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if profile_prefix is not None:
         so.enable_profiling = True
