@@ -58,7 +58,7 @@ benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmark
 	$(BIN)/dsc compile $(GEMMA)/main.onnx $(GEMMA)/draft.onnx -o build/gemma3.dsmodel --force
 	$(BIN)/python samples/bench_peers.py --setup
 	mkdir -p $(REPORTS)
-	$(BIN)/python samples/bench_peers.py --repeats 2 --json $(REPORTS)/peers_greedy.json
+	$(BIN)/python samples/bench_peers.py --repeats 3 --json $(REPORTS)/peers_greedy.json
 	$(BIN)/python samples/bench_peers.py --repeats 3 --temperature 0.7 \
 	    --json $(REPORTS)/peers_sampled.json
 	$(BIN)/python samples/bench_peers.py --repeats 2 --background-load --systems \
@@ -82,6 +82,14 @@ benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmark
 	    dsrun-q4-plain dsrun-q4-default dsrun-q4-plain@tauto dsrun-q4-default@tauto \
 	    dsrun-fp32-plain dsrun-fp32-default dsrun-fp32-plain@tauto dsrun-fp32-default@tauto \
 	    --json $(REPORTS)/peers_threads_auto.json
+	$(BIN)/python samples/bench_peers.py --repeats 2 --background-load --systems \
+	    dsrun-q4-plain dsrun-q4-default dsrun-q4-plain@tadaptive dsrun-q4-default@tadaptive \
+	    dsrun-fp32-plain dsrun-fp32-default dsrun-fp32-plain@tadaptive dsrun-fp32-default@tadaptive \
+	    --json $(REPORTS)/peers_threads_adaptive_loaded.json
+	$(BIN)/python samples/bench_peers.py --repeats 2 --systems \
+	    dsrun-q4-plain dsrun-q4-default dsrun-q4-plain@tadaptive dsrun-q4-default@tadaptive \
+	    dsrun-fp32-plain dsrun-fp32-default dsrun-fp32-plain@tadaptive dsrun-fp32-default@tadaptive \
+	    --json $(REPORTS)/peers_threads_adaptive.json
 	$(BIN)/python samples/bench_peers.py --repeats 2 --systems dsrun-optimum-plain \
 	    dsrun-optimum-default dsrun-fp32-plain dsrun-fp32-default genai-fp32-plain \
 	    genai-fp32-ngram --json $(REPORTS)/peers_optimum.json

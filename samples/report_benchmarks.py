@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # (report file, heading, the command that writes it, what the table shows)
 REPORTS = [
     ("peers_greedy.json", "Against onnxruntime-genai and llama.cpp, greedy",
-     "python samples/bench_peers.py --repeats 2 --json build/reports/peers_greedy.json",
+     "python samples/bench_peers.py --repeats 3 --json build/reports/peers_greedy.json",
      "tok/s per class (12 unseen prompts: 4 code, 4 chat, 4 edits; 128 new tokens), and "
      "ratios to the system's own plain mode, to dsrun's fp32 plain decoding, to the fastest "
      "onnxruntime-genai mode and to the fastest lossless llama.cpp mode on weights of the "
@@ -72,6 +72,20 @@ REPORTS = [
      "Another process spins on one core from before the systems start; `@tauto`: that worker "
      "at DSPARK_THREADS=auto (it measures the load at start and takes the free cores), "
      "beside the same system at the core count."),
+    ("peers_threads_adaptive_loaded.json", "DSPARK_THREADS=adaptive, a load arriving after start",
+     "python samples/bench_peers.py --repeats 2 --background-load --systems dsrun-q4-plain "
+     "dsrun-q4-default dsrun-q4-plain@tadaptive dsrun-q4-default@tadaptive dsrun-fp32-plain "
+     "dsrun-fp32-default dsrun-fp32-plain@tadaptive dsrun-fp32-default@tadaptive "
+     "--json build/reports/peers_threads_adaptive_loaded.json",
+     "Another process starts spinning on one core after the systems have loaded and warmed "
+     "up; `@tadaptive`: that worker at DSPARK_THREADS=adaptive (each forward leaves the pool "
+     "while the load lasts, performance.md), beside the same system at the core count."),
+    ("peers_threads_adaptive.json", "DSPARK_THREADS=adaptive, cores free",
+     "python samples/bench_peers.py --repeats 2 --systems dsrun-q4-plain dsrun-q4-default "
+     "dsrun-q4-plain@tadaptive dsrun-q4-default@tadaptive dsrun-fp32-plain dsrun-fp32-default "
+     "dsrun-fp32-plain@tadaptive dsrun-fp32-default@tadaptive "
+     "--json build/reports/peers_threads_adaptive.json",
+     "The same systems on a quiet machine: what the mode costs where no load comes."),
     ("peers_optimum.json", "optimum's export of SmolLM2",
      "python samples/bench_peers.py --repeats 2 --systems dsrun-optimum-plain "
      "dsrun-optimum-default dsrun-fp32-plain dsrun-fp32-default genai-fp32-plain "
@@ -137,6 +151,8 @@ TABLES = {"peers_greedy.json": peers_table, "peers_sampled.json": peers_table,
           "peers_loaded_avx2.json": peers_table, "peers_gemma3.json": peers_table,
           "peers_optimum.json": peers_table, "peers_threads_loaded.json": peers_table,
           "peers_threads.json": peers_table, "peers_threads_auto.json": peers_table,
+          "peers_threads_adaptive_loaded.json": peers_table,
+          "peers_threads_adaptive.json": peers_table,
           "int4_kernels.json": int4_table, "gemma3_bench.json": bench_table}
 
 
