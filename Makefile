@@ -49,6 +49,9 @@ gpu-check:  # the venv's python where there is one, else the machine's own pytho
 
 REPORTS := build/reports
 GEMMA := build/gemma3
+# the q4 and fp32 bundles' plain and default modes, and each at DSPARK_THREADS=$(1)
+THREADED = dsrun-q4-plain dsrun-q4-default dsrun-q4-plain@t$(1) dsrun-q4-default@t$(1) \
+	dsrun-fp32-plain dsrun-fp32-default dsrun-fp32-plain@t$(1) dsrun-fp32-default@t$(1)
 
 benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmarks.py)
 	$(BIN)/python samples/smollm2.py --out $(SAMPLE)
@@ -71,24 +74,19 @@ benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmark
 	    --systems dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default \
 	    --json $(REPORTS)/peers_loaded_avx2.json
 	$(BIN)/python samples/bench_peers.py --repeats 2 --background-load --systems \
-	    dsrun-q4-plain dsrun-q4-default dsrun-q4-plain@t1 dsrun-q4-default@t1 \
-	    dsrun-fp32-plain dsrun-fp32-default dsrun-fp32-plain@t1 dsrun-fp32-default@t1 \
+	    $(call THREADED,1) \
 	    --json $(REPORTS)/peers_threads_loaded.json
 	$(BIN)/python samples/bench_peers.py --repeats 2 --systems \
-	    dsrun-q4-plain dsrun-q4-default dsrun-q4-plain@t1 dsrun-q4-default@t1 \
-	    dsrun-fp32-plain dsrun-fp32-default dsrun-fp32-plain@t1 dsrun-fp32-default@t1 \
+	    $(call THREADED,1) \
 	    --json $(REPORTS)/peers_threads.json
 	$(BIN)/python samples/bench_peers.py --repeats 2 --load-from-start --systems \
-	    dsrun-q4-plain dsrun-q4-default dsrun-q4-plain@tauto dsrun-q4-default@tauto \
-	    dsrun-fp32-plain dsrun-fp32-default dsrun-fp32-plain@tauto dsrun-fp32-default@tauto \
+	    $(call THREADED,auto) \
 	    --json $(REPORTS)/peers_threads_auto.json
 	$(BIN)/python samples/bench_peers.py --repeats 2 --background-load --systems \
-	    dsrun-q4-plain dsrun-q4-default dsrun-q4-plain@tadaptive dsrun-q4-default@tadaptive \
-	    dsrun-fp32-plain dsrun-fp32-default dsrun-fp32-plain@tadaptive dsrun-fp32-default@tadaptive \
+	    $(call THREADED,adaptive) \
 	    --json $(REPORTS)/peers_threads_adaptive_loaded.json
 	$(BIN)/python samples/bench_peers.py --repeats 2 --systems \
-	    dsrun-q4-plain dsrun-q4-default dsrun-q4-plain@tadaptive dsrun-q4-default@tadaptive \
-	    dsrun-fp32-plain dsrun-fp32-default dsrun-fp32-plain@tadaptive dsrun-fp32-default@tadaptive \
+	    $(call THREADED,adaptive) \
 	    --json $(REPORTS)/peers_threads_adaptive.json
 	$(BIN)/python samples/bench_peers.py --repeats 2 --systems dsrun-optimum-plain \
 	    dsrun-optimum-default dsrun-fp32-plain dsrun-fp32-default genai-fp32-plain \
