@@ -255,7 +255,7 @@ static OrtStatus *int4_compute(void *kernel, OrtKernelContext *ctx) {
   const int64_t items = kk->threads < groups ? kk->threads : groups;
   Int4Work work = {{w, (float *)out, x8, sx, zx, k, n, rows, groups, items, kk->bits, kk->mins},
                    (int)kk->isa};
-  if (items < 2 ||
+  if (items < 2 || dspark_solo ||
       !ok(ORT(KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(ctx, int4_item, (size_t)items,
                                                           (size_t)items, &work)))
     for (int64_t i = 0; i < items; i++) int4_item(&work, (size_t)i);

@@ -36,6 +36,9 @@
 #include "ort_abi.h"
 
 void *const *ort;
+volatile int dspark_solo;
+
+void dspark_set_solo(int on) { dspark_solo = on; }
 
 typedef struct {
   int64_t heads, kv_heads, dim, window;
@@ -498,7 +501,7 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
   c.query_block = small ? longest : min64(16, (longest + cuts - 1) / cuts);
   c.qblocks = (longest + c.query_block - 1) / c.query_block;
   size_t items = (size_t)(c.seqs * c.kv * c.qblocks);
-  if (items < 2 || !ok(ORT(KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(ctx, attend_item, items, 0, &c)))
+  if (items < 2 || dspark_solo || !ok(ORT(KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(ctx, attend_item, items, 0, &c)))
     for (size_t i = 0; i < items; i++) attend_item(&c, i);
   return NULL;
 }
@@ -522,6 +525,7 @@ static OrtCustomOp verify_op = {
     create_kernel, compute, NULL, NULL, NULL};
 static OrtCustomOpDomain *domain;
 extern const OrtCustomOp dspark_int4_op; /* cpu_int4.c */
+extern const OrtCustomOp dspark_rms_norm_op, dspark_skip_rms_norm_op, dspark_silu_op; /* cpu_rows.c */
 
 OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
   typedef OrtStatus *(*CreateDomainFn)(const char *, OrtCustomOpDomain **);
@@ -538,7 +542,10 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
     OrtStatus *status = ORT(CREATE_CUSTOM_OP_DOMAIN, CreateDomainFn)("ai.dspark", &domain);
     if (status != NULL) return status;
     status = ORT(CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &verify_op);
-    if (status == NULL) status = ORT(CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &dspark_int4_op);
+    const OrtCustomOp *ours[] = {&dspark_int4_op, &dspark_rms_norm_op, &dspark_skip_rms_norm_op,
+                                 &dspark_silu_op};
+    for (size_t i = 0; status == NULL && i < sizeof(ours) / sizeof(ours[0]); i++)
+      status = ORT(CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, ours[i]);
     if (status != NULL) return status;
   }
   return ORT(ADD_CUSTOM_OP_DOMAIN, AddDomainFn)(options, domain);

@@ -26,10 +26,11 @@ from pathlib import Path
 log = logging.getLogger("dspark.kernels")
 
 HERE = Path(__file__).resolve().parent
-# the library: SpeculativeVerify (cpu_op.c, which registers both ops) and MatMulInt4 (its
-# plain loops and op, its x86 and aarch64 vector paths)
+# the library: SpeculativeVerify (cpu_op.c, which registers every op), MatMulInt4 (its
+# plain loops and op, its x86 and aarch64 vector paths), and the row ops (RmsNorm, SkipRmsNorm,
+# Silu: cpu_rows.c)
 SOURCES = (HERE / "cpu_op.c", HERE / "cpu_int4.c", HERE / "cpu_int4_x86.c",
-           HERE / "cpu_int4_arm.c")
+           HERE / "cpu_int4_arm.c", HERE / "cpu_rows.c")
 HEADERS = (HERE / "ort_abi.h", HERE / "cpu_int4.h", HERE / "cpu_int4_body.h")
 # MatMulInt4 picks its path at run time, each compiled for its own instruction set: on
 # x86-64 its files take a baseline every such CPU has instead of -march=native, so its
@@ -141,3 +142,28 @@ def int4_paths(library: Path) -> tuple[str, ...]:
     except (OSError, AttributeError):
         return ()
     return tuple(name for i, name in enumerate(ISA_PATHS) if mask & (1 << i))
+
+
+class SoloOps:
+    """The library's process-wide switch (dspark_set_solo, cpu_op.c): on, our ops run their
+    work items in turn on the calling thread instead of on onnxruntime's pool. Set only when it
+    changes; main and draft share it, as they share the pool."""
+
+    def __init__(self, library: Path):
+        import ctypes
+
+        self._set = ctypes.CDLL(str(library)).dspark_set_solo
+        self._set.argtypes = [ctypes.c_int]
+        self.on = False
+        self._set(0)
+
+    def set(self, on: bool) -> None:
+        if on != self.on:
+            self._set(int(on))
+            self.on = on
+
+
+@functools.cache
+def solo_ops(library: Path) -> SoloOps:
+    """The switch of `library` (the one onnxruntime loaded: the same file is loaded once)."""
+    return SoloOps(library)

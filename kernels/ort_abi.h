@@ -74,6 +74,10 @@ enum {
 enum { ELEM_FLOAT = 1, ELEM_UINT8 = 2, ELEM_INT64 = 7, ERR_INVALID_ARGUMENT = 2 };
 
 extern void *const *ort; /* the OrtApi table (cpu_op.c sets it) */
+/* Nonzero: our ops run their work items in turn on the calling thread, not on onnxruntime's
+   pool (dspark_set_solo, runtime/model/load_gate.py: while other processes hold the cores
+   the pool counts on). An item is computed the same either way. */
+extern volatile int dspark_solo;
 #define ORT(slot, type) ((type)ort[slot])
 
 typedef OrtStatus *(*GetInputFn)(const OrtKernelContext *, size_t, const OrtValue **);

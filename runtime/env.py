@@ -32,9 +32,14 @@ class RuntimeEnv:
     # DSPARK_CPU_MARCH: the -march the CPU op's attention is compiled for (native: this CPU;
     # e.g. haswell runs the AVX2 build on an AVX-512 machine)
     cpu_march: str = "native"
+    # DSPARK_CPU_ROWS=0: keep onnxruntime's norms and SiLU (no RmsNorm, Silu: row_ops.py)
+    cpu_rows: bool = True
     # DSPARK_THREADS=adaptive: the pool at every core, plus a one-thread session per CPU model
     # that forwards take while other processes hold cores (runtime/model/load_gate.py)
     adaptive: bool = False
+    # unset, auto or adaptive: while other processes hold the cores the pool counts on, our
+    # ops run on the calling thread (load_gate.py); DSPARK_THREADS=N keeps N threads always
+    follow_load: bool = False
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -63,10 +68,12 @@ def read_env() -> RuntimeEnv:
                       api_key=os.environ.get("DSPARK_API_KEY") or None,
                       cpu_op=os.environ.get("DSPARK_CPU_OP", "1") != "0",
                       cpu_int4=os.environ.get("DSPARK_CPU_INT4", "1") != "0",
+                      cpu_rows=os.environ.get("DSPARK_CPU_ROWS", "1") != "0",
                       cc=os.environ.get("CC") or "cc",
                       cpu_isa=os.environ.get("DSPARK_CPU_ISA") or None,
                       cpu_march=os.environ.get("DSPARK_CPU_MARCH") or "native",
-                      adaptive=raw == "adaptive" and threads > 1)
+                      adaptive=raw == "adaptive" and threads > 1,
+                      follow_load=raw in ("", "auto", "adaptive") and threads > 1)
 
 
 @functools.cache

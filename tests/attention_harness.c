@@ -13,6 +13,7 @@
 #include "cpu_op.c"
 
 const OrtCustomOp dspark_int4_op; /* RegisterCustomOps' other op (cpu_int4.c): never called here */
+const OrtCustomOp dspark_rms_norm_op, dspark_skip_rms_norm_op, dspark_silu_op; /* cpu_rows.c: nor these */
 
 static uint64_t state = 88172645463325252ull;
 

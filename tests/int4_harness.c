@@ -13,6 +13,7 @@
 #include "cpu_int4.h"
 
 void *const *ort = NULL; /* cpu_int4.c's op half is not used here */
+volatile int dspark_solo = 0;
 
 int dspark_int4_paths(void);
 int dspark_int4_run(int64_t isa, const float *x, const uint8_t *w, float *y, int64_t rows,

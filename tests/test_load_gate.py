@@ -1,5 +1,6 @@
-"""DSPARK_THREADS=adaptive (runtime/model/load_gate.py): forwards leave the pool while other
-processes hold the cores, by measured load, with the same bits in either mode."""
+"""Forwards leave the pool while other processes hold the cores (runtime/model/load_gate.py):
+by default our ops' work runs on the calling thread, under DSPARK_THREADS=adaptive a session
+without a pool takes the forward; by measured load, with the same bits in either mode."""
 
 from __future__ import annotations
 
@@ -83,11 +84,17 @@ def test_adaptive_threads_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("DSPARK_THREADS", "adaptive")
     monkeypatch.setattr(env.os, "cpu_count", lambda: 2)
     e = env.read_env()
-    assert e.adaptive and e.threads == 2
+    assert e.adaptive and e.follow_load and e.threads == 2
     monkeypatch.setattr(env.os, "cpu_count", lambda: 1)
     assert not env.read_env().adaptive  # one core: nothing to leave
+    assert not env.read_env().follow_load
+    monkeypatch.setattr(env.os, "cpu_count", lambda: 2)
+    monkeypatch.setenv("DSPARK_THREADS", "")
+    e = env.read_env()
+    assert e.follow_load and not e.adaptive  # the default: our ops follow the load
     monkeypatch.setenv("DSPARK_THREADS", "2")
-    assert not env.read_env().adaptive
+    e = env.read_env()
+    assert not e.adaptive and not e.follow_load  # a number: that many threads, always
     monkeypatch.setenv("DSPARK_THREADS", "lots")
     with pytest.raises(env.DSparkError, match="integer, auto or adaptive"):
         env.read_env()
@@ -96,7 +103,7 @@ def test_adaptive_threads_read_from_the_environment(monkeypatch):
 # Run in a process of its own: the mode's sessions exist only without the global pool, which
 # this test process created at import (conftest).
 ADAPTIVE_RUN = textwrap.dedent("""
-    import json, sys
+    import ctypes, json, sys
     import numpy as np
     from dspark.runtime.engine.loader import load_engine
     from dspark.runtime.model.load_gate import shared_gate
@@ -107,7 +114,9 @@ ADAPTIVE_RUN = textwrap.dedent("""
     gate.every = float("inf")  # no readings: the test sets the mode
     gate.at = gate.clock()
     runners = [engine.main, *engine.draft_models.values()]
-    out = {"solo_sessions": [r.model.solo is not None for r in runners], "equal": []}
+    out = {"solo_sessions": [r.model.solo is not None for r in runners], "equal": [],
+           "switch": []}
+    flag = ctypes.c_int.in_dll(ctypes.CDLL(str(engine.main.model.library)), "dspark_solo")
     engine.arena.add_sequence(1)
     ids = np.random.default_rng(0).integers(0, 200, 24).tolist()
     for r in runners:
@@ -116,6 +125,7 @@ ADAPTIVE_RUN = textwrap.dedent("""
             for solo in (False, True):
                 gate.solo = solo
                 got.append(r.forward([(1, start, toks)], [rows], record=False)[0].copy())
+                out["switch"].append(flag.value)
             out["equal"].append(bool(np.array_equal(*got)))
     out["solo_forwards"] = [r.model.solo_forwards for r in runners]
     engine.arena.release(1)
@@ -137,16 +147,23 @@ ADAPTIVE_RUN = textwrap.dedent("""
 """)
 
 
-def test_adaptive_sessions_give_the_pools_bits_and_speculation_stays_exact(int4_self_bundle):
+@pytest.mark.parametrize("threads", ["adaptive", ""])
+def test_solo_forwards_give_the_pools_bits_and_speculation_stays_exact(int4_self_bundle,
+                                                                       threads):
+    """Solo forwards: under `adaptive` a session without a pool, otherwise the pool's session
+    with our ops' work on the calling thread (the library's switch)."""
     bundle, _ = int4_self_bundle
     if (env.os.cpu_count() or 1) < 2:
-        pytest.skip("one core: DSPARK_THREADS=adaptive has nothing to leave")
-    env_vars = {**env.os.environ, "DSPARK_THREADS": "adaptive"}
+        pytest.skip("one core: no pool to leave")
+    env_vars = {**env.os.environ, "DSPARK_THREADS": threads}
     done = subprocess.run([sys.executable, "-c", ADAPTIVE_RUN, str(bundle)], env=env_vars,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["solo_sessions"] == [True, True]  # main and its int4 draft
+    adaptive = threads == "adaptive"
+    assert out["solo_sessions"] == [adaptive, adaptive]  # main and its int4 draft
     assert all(out["equal"]) and len(out["equal"]) == 6
+    # a solo forward on the pool's session set the switch; the adaptive one leaves it off
+    assert out["switch"] == [0, 0 if adaptive else 1] * 6
     assert out["solo_forwards"] == [3, 3]
     assert out["same"] and out["drafted"] > 0, out  # drafts verified across switches

@@ -76,6 +76,9 @@ class Engine:
         self.draft_models = {r: ModelRunner(bundle, r, self.arena, self.costs, kernels=kernels,
                                             pool="main" if r in self.shared_kv else None)
                              for r in bundle.draft_models}
+        gate = getattr(self.main.model, "gate", None)
+        if gate is not None:  # forwards leave the pool under load: a cost table per mode
+            self.costs.mode = lambda: gate.solo
         self.resources = ResourceManager(self.config.resources, probe_device(self.device),
                                          bundle.draft_models)
         self.vocab_size = bundle.model("main").vocab_size

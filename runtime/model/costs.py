@@ -15,6 +15,14 @@ weights evicted part of the main's from the caches: SmolLM2, 1-3 tokens, +0.6 ms
 into AFTER_DRAFT, which prices the verify of a model round; plain and lookup rounds' verifies
 and prompts stay in "main". On SmolLM2's int4 draft a one-token first forward took
 7.0 ms and a following one 5.8: one row for both overcharged every draft past the first.
+
+Forwards that leave the pool while other processes hold the cores (load_gate.py) cost
+otherwise: SmolLM2 int4 under load, a decode 5.1 ms solo against 8.9 on the pool, an 8-token
+verify 11.6 against 16.3, so a verify is dearer against a decode solo. Each mode keeps its own
+table (`mode`: whether forwards now run solo). A mode first met starts from a copy of the
+other's, and each of its sizes takes its first own measurement whole: with one table the
+sizes a round seldom verifies kept the idle machine's prices for minutes under load, and the
+windows leaned on them.
 """
 
 from __future__ import annotations
@@ -31,15 +39,32 @@ AFTER_DRAFT = "main_after_draft"
 EXACT = 16
 
 
+def _empty() -> dict[str, dict[int, float]]:
+    return {"main": {}, "draft": {}, DRAFT_STEP: {}, AFTER_DRAFT: {}}
+
+
 class CostModel:
-    def __init__(self):
-        self.table: dict[str, dict[int, float]] = {}
+    def __init__(self, mode=lambda: False):
+        """`mode()`: whether forwards run solo now (load_gate.py; default: never)."""
+        self.mode = mode
+        self.tables: dict[bool, dict[str, dict[int, float]]] = {}
+        self.measured: dict[bool, set[tuple[str, int]]] = {}
         self.per_seq: dict[str, float] = {}
         self.reset()
 
     def reset(self) -> None:
-        """Forget the forward-size table (a new profile follows)."""
-        self.table = {"main": {}, "draft": {}, DRAFT_STEP: {}, AFTER_DRAFT: {}}
+        """Forget the forward-size tables (a new profile follows)."""
+        self.tables = {self.mode(): _empty()}
+        self.measured = {solo: set() for solo in (False, True)}
+
+    @property
+    def table(self) -> dict[str, dict[int, float]]:
+        """The current mode's table (first met: a copy of the other's)."""
+        solo = self.mode()
+        if solo not in self.tables:
+            other = self.tables.get(not solo) or _empty()
+            self.tables[solo] = {role: dict(rows) for role, rows in other.items()}
+        return self.tables[solo]
 
     def draft_step(self, tokens: int = 1, seqs: int = 1) -> float | None:
         """A draft forward after the round's first: its own row once measured, else the
@@ -67,6 +92,10 @@ class CostModel:
         per = seconds * bucket / tokens  # cost scaled to the bucket's token count
         table = self.table.setdefault(role, {})
         old = table.get(bucket)
+        measured = self.measured[self.mode()]
+        if (role, bucket) not in measured:  # a copied price, or none: this one replaces it
+            measured.add((role, bucket))
+            old = None
         table[bucket] = per if old is None else old + SMOOTHING * (per - old)
 
     def seconds(self, role: str, tokens: int, seqs: int = 1) -> float | None:

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from dspark.kernels.cpu_op import ISA_PATHS
+from dspark.kernels.cpu_op import ISA_PATHS, solo_ops
 from dspark.runtime.bundle.bundle import Bundle
 from dspark.runtime.bundle.spec import INPUT_IDS, LOGITS, LOGITS_INDEX, POSITION_IDS, VERIFY_OP
 from dspark.runtime.cache.kv_arena import KVArena
@@ -29,6 +29,7 @@ from dspark.runtime.model.batch import FlatBatch
 from dspark.runtime.model.executor import StepClock, id_input_types
 from dspark.runtime.model.int4_rows import rewrite_int4
 from dspark.runtime.model.load_gate import shared_gate
+from dspark.runtime.model.row_ops import rewrite_rows
 from dspark.runtime.model.sessions import make_session
 
 TABLES, STARTS, QOFFS, NEWS = "dspark_tables", "dspark_starts", "dspark_qoffs", "dspark_news"
@@ -72,6 +73,8 @@ def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int],
     graph.input.append(helper.make_tensor_value_info(TABLES, i64, ["seqs", "max_blocks"]))
     for name in (STARTS, QOFFS, NEWS):
         graph.input.append(helper.make_tensor_value_info(name, i64, ["seqs"]))
+    if read_env().cpu_rows:
+        rewrite_rows(model, bundle.path(spec.graph_file).parent)
     rewritten = (rewrite_int4(model, bundle.path(spec.graph_file).parent, read_env().threads,
                               ISA_PATHS.index(int4_path)) if int4_path else 0)
     return model.SerializeToString(), rewritten
@@ -83,8 +86,10 @@ class FusedModel:
         """`pool`: the arena pool the model's attention reads and writes (a draft that shares
         the main's cache reads the main's). `library`: kernels/cpu_op.py's build.
         `int4_path`: run its low-bit projections as MatMulInt4 on it (see fused_graph).
-        Under DSPARK_THREADS=adaptive (load_gate.py) it has a session on its own pool and one
-        without, chosen per forward by the load other processes put on the cores."""
+        While other processes hold the cores the pool counts on (load_gate.py), its forwards
+        run our ops' work on the calling thread (the library's solo switch); under
+        DSPARK_THREADS=adaptive it has a session on its own pool and one without, and those
+        forwards take the one without."""
         self.spec = bundle.model(role)
         self.arena = arena
         self.pool = pool
@@ -101,11 +106,12 @@ class FusedModel:
         self.layers = sorted({op.layer for op in self.spec.verify_ops})
         self.input_types = id_input_types(self.sessions)
         self.binding = self._bound(self.session)
-        # the same graph without a pool, for forwards while other processes hold cores;
-        # None: every forward runs on the session above
-        self.gate, self.solo, self.solo_binding = None, None, None
+        # forwards while other processes hold cores: our ops off the pool, or under
+        # `adaptive` the same graph without a pool (None: every forward on the session above)
+        self.gate = shared_gate() if read_env().follow_load else None
+        self.solo_ops = solo_ops(library) if self.gate is not None else None
+        self.solo, self.solo_binding = None, None
         if adaptive:
-            self.gate = shared_gate()
             self.solo = make_session(graph, custom_ops=library, config=config, solo=True)
             self.solo_binding = self._bound(self.solo)
         self.solo_forwards = 0
@@ -136,7 +142,12 @@ class FusedModel:
         """Logits [len(rows), vocab] for the chosen rows (default: every row), as
         SegmentedModel.forward."""
         solo = self.gate is not None and self.gate.check()
-        session, io = (self.solo, self.solo_binding) if solo else (self.session, self.binding)
+        if self.solo is not None and solo:
+            session, io = self.solo, self.solo_binding
+        else:
+            session, io = self.session, self.binding
+            if self.solo_ops is not None:
+                self.solo_ops.set(solo)
         self.solo_forwards += solo
         types = self.input_types
         io.bind_cpu_input(INPUT_IDS, batch.token_ids[None].astype(types.get(INPUT_IDS, np.int64)))

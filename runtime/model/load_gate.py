@@ -1,15 +1,21 @@
-"""DSPARK_THREADS=adaptive: run on one thread while other processes hold the cores the pool
-counts on, on every core otherwise.
+"""Run on one thread while other processes hold the cores the pool counts on, on every core
+otherwise.
 
 Onnxruntime's pool is fixed for the process and every session shares it, so a load that comes
 after start cannot shrink it: with another process spinning on one of two cores, the pool's
 second thread gets half a core and every parallel section waits for it (SmolLM2 int4 decode
-7.7-9.0 ms on the pool against 5.9 ms on one thread, docs/performance.md). Under `adaptive`
-each CPU model also has a second session with no pool at all (one thread: the caller's; our
-ops' work items run in turn on it), and each forward takes the pool's session or that one by
-what the other processes were seen to take, read from /proc (host_load.py) at most every
-`EVERY` seconds. The decision is measured, not tried: a mode never has to run to be judged, so
-it does not flip-flop the way timed trials of both modes did.
+7.7-9.0 ms on the pool against 5.9 ms on one thread, docs/performance.md). Each forward asks
+the gate below, which judges by what the other processes were seen to take, read from /proc
+(host_load.py) at most every `EVERY` seconds. By default (DSPARK_THREADS unset or auto) a solo
+forward runs on the pool's session with our ops' work items in turn on the calling thread (the
+op library's switch, kernels/cpu_op.py SoloOps): MatMulInt4, the attention, and the norms
+and SiLU (row_ops.py; onnxruntime's own woke the pool on every verify, whose threads then spun
+against the decodes after it). Onnxruntime's MatMuls keep the pool. Under `adaptive` each CPU
+model also has a second session with no pool at all (one thread: the caller's), which solo
+forwards take, so onnxruntime's MatMuls leave the pool too, at the cost of per-model pools
+and the weights held twice. DSPARK_THREADS=N keeps N threads always. The decision is
+measured, not tried: a mode never has to run to be judged, so it does not flip-flop the way
+timed trials of both modes did.
 
 Both sessions run the same graph with the same work items, so a forward's logits are the same
 bits in either mode (tests/test_load_gate.py checks it), and speculation stays exact across a
