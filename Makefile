@@ -83,6 +83,10 @@ benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmark
 	    $(call THREADED,auto) \
 	    --json $(REPORTS)/peers_threads_auto.json
 	$(BIN)/python samples/bench_peers.py --repeats 2 --background-load --systems \
+	    dsrun-q4-plain dsrun-q4-default dsrun-q4-plain@t2 dsrun-q4-default@t2 \
+	    dsrun-genai4-plain dsrun-genai4-default dsrun-fp32-plain dsrun-fp32-default \
+	    --json $(REPORTS)/peers_threads_fixed_loaded.json
+	$(BIN)/python samples/bench_peers.py --repeats 2 --background-load --systems \
 	    $(call THREADED,adaptive) \
 	    --json $(REPORTS)/peers_threads_adaptive_loaded.json
 	$(BIN)/python samples/bench_peers.py --repeats 2 --systems \
@@ -94,6 +98,10 @@ benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmark
 	$(BIN)/python samples/bench_peers.py --setup --model gemma3
 	$(BIN)/python samples/bench_peers.py --model gemma3 --repeats 2 --json $(REPORTS)/peers_gemma3.json
 	$(BIN)/python samples/bench_int4.py --json $(REPORTS)/int4_kernels.json
+	for b in smollm2-q4 smollm2-genai-int4 smollm2; do \
+	    $(BIN)/python samples/bench_row_ops.py --bundle build/$$b.dsmodel; done > $(REPORTS)/row_ops_ab.txt
+	$(BIN)/python samples/bench_row_ops.py --bundle build/smollm2-q4.dsmodel --background-load \
+	    >> $(REPORTS)/row_ops_ab.txt
 	$(BIN)/dsrun bench --model build/gemma3.dsmodel --prompts samples/prompts/base_prompts.jsonl \
 	    --repeats 2 --json > $(REPORTS)/gemma3_bench.json
 	$(BIN)/python samples/report_benchmarks.py

@@ -72,6 +72,15 @@ REPORTS = [
      "Another process spins on one core from before the systems start; `@tauto`: that worker "
      "at DSPARK_THREADS=auto (it measures the load at start and takes the free cores), "
      "beside the same system at the core count."),
+    ("peers_threads_fixed_loaded.json", "A load arriving after start: the default against a fixed pool",
+     "python samples/bench_peers.py --repeats 2 --background-load --systems dsrun-q4-plain "
+     "dsrun-q4-default dsrun-q4-plain@t2 dsrun-q4-default@t2 dsrun-genai4-plain "
+     "dsrun-genai4-default dsrun-fp32-plain dsrun-fp32-default "
+     "--json build/reports/peers_threads_fixed_loaded.json",
+     "Another process starts spinning on one core after the systems have loaded and warmed "
+     "up. The default (DSPARK_THREADS unset) runs our ops on the calling thread while the load "
+     "lasts (performance.md); `@t2`: that worker at DSPARK_THREADS=2, every forward on the "
+     "pool, as the default did before."),
     ("peers_threads_adaptive_loaded.json", "DSPARK_THREADS=adaptive, a load arriving after start",
      "python samples/bench_peers.py --repeats 2 --background-load --systems dsrun-q4-plain "
      "dsrun-q4-default dsrun-q4-plain@tadaptive dsrun-q4-default@tadaptive dsrun-fp32-plain "
@@ -152,6 +161,7 @@ TABLES = {"peers_greedy.json": peers_table, "peers_sampled.json": peers_table,
           "peers_optimum.json": peers_table, "peers_threads_loaded.json": peers_table,
           "peers_threads.json": peers_table, "peers_threads_auto.json": peers_table,
           "peers_threads_adaptive_loaded.json": peers_table,
+          "peers_threads_fixed_loaded.json": peers_table,
           "peers_threads_adaptive.json": peers_table,
           "int4_kernels.json": int4_table, "gemma3_bench.json": bench_table}
 
