@@ -72,7 +72,8 @@ REPORTS = [
      "Another process spins on one core from before the systems start; `@tauto`: that worker "
      "at DSPARK_THREADS=auto (it measures the load at start and takes the free cores), "
      "beside the same system at the core count."),
-    ("peers_threads_fixed_loaded.json", "A load arriving after start: the default against a fixed pool",
+    ("peers_threads_fixed_loaded.json",
+     "A load arriving after start: the default against a fixed pool",
      "python samples/bench_peers.py --repeats 2 --background-load --systems dsrun-q4-plain "
      "dsrun-q4-default dsrun-q4-plain@t2 dsrun-q4-default@t2 dsrun-genai4-plain "
      "dsrun-genai4-default dsrun-fp32-plain dsrun-fp32-default "
