@@ -17,8 +17,9 @@ and prompts stay in "main". On SmolLM2's int4 draft a one-token first forward to
 7.0 ms and a following one 5.8: one row for both overcharged every draft past the first.
 
 Forwards that leave the pool while other processes hold the cores (load_gate.py) cost
-otherwise: SmolLM2 int4 under load, a decode 5.1 ms solo against 8.9 on the pool, an 8-token
-verify 11.6 against 16.3, so a verify is dearer against a decode solo. Each mode keeps its own
+otherwise: SmolLM2 int4 under load (with onnxruntime's norms, before row_ops.py), a decode
+5.1 ms solo against 8.9 on the pool, an 8-token verify 11.6 against 16.3: a verify is dearer
+against a decode solo. Each mode keeps its own
 table (`mode`: whether forwards now run solo). A mode first met starts from a copy of the
 other's, and each of its sizes takes its first own measurement whole: with one table the
 sizes a round seldom verifies kept the idle machine's prices for minutes under load, and the
