@@ -102,6 +102,7 @@ benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmark
 	    $(BIN)/python samples/bench_row_ops.py --bundle build/$$b.dsmodel; done > $(REPORTS)/row_ops_ab.txt
 	$(BIN)/python samples/bench_row_ops.py --bundle build/smollm2-q4.dsmodel --background-load \
 	    >> $(REPORTS)/row_ops_ab.txt
+	$(BIN)/python samples/bench_sustained.py --base bfc16ac > $(REPORTS)/sustained.txt
 	$(BIN)/dsrun bench --model build/gemma3.dsmodel --prompts samples/prompts/base_prompts.jsonl \
 	    --repeats 2 --json > $(REPORTS)/gemma3_bench.json
 	$(BIN)/python samples/report_benchmarks.py

@@ -68,7 +68,7 @@ def test_rank_yields_to_the_least_loaded_past_the_imbalance():
 def _replica_text(replica: str) -> str:
     metrics = Metrics("m", "cpu", replica)
     metrics.request("chat", "ok")
-    metrics.ttft.labels(**metrics._t("acme")).observe(12.0)
+    metrics._c(metrics.ttft, "acme").observe(12.0)
     return metrics.render().decode()
 
 
