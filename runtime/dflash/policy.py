@@ -48,7 +48,8 @@ class WindowPolicy(Protocol):
 
     def keep_drafting(self, view: RoundView, drafted: int) -> bool: ...
 
-    def observe(self, view: RoundView) -> None: ...
+    def observe(self, view: RoundView) -> None:
+        """After a round that verified drafts (view.stats.last_window > 0)."""
 
     def forget(self, seq_id: int) -> None: ...
 

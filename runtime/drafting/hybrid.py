@@ -230,6 +230,8 @@ class HybridDrafter:
         `seconds`: the round's drafting and verify time."""
         self.chooser.observe_round(seq.id, seconds)
         st = self.state(seq)
+        if not verified and not len(st):  # a plain round: nothing to learn or to trim
+            return
         sources = st.sources[:verified]
         survivals = self.survivals(seq, verified)
         seq.stats.record_sources(sources, accepted)

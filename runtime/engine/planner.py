@@ -188,7 +188,11 @@ class WindowPlanner:
         return list(drafting[:slot.verify])
 
     def observe(self, seq: Sequence) -> None:
-        self.policy(seq.tenant).observe(self.view(seq))
+        """After a round: the window policy learns from the drafts it verified. A round
+        that verified none (plain decoding, a lookup that rested) has nothing to teach, and
+        building its view cost ~10 us a token."""
+        if seq.stats.last_window:
+            self.policy(seq.tenant).observe(self.view(seq))
 
     def forget(self, seq: Sequence) -> None:
         self.policy(seq.tenant).forget(seq.id)
