@@ -274,3 +274,18 @@ def test_a_backed_off_lookup_rests_on_exactly_the_skipped_rounds():
             reference.record(seq.id, kept=False)
     hybrid.state(seq).add(3, "lookup", None, 0.9)
     assert not hybrid.resting(seq)
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_lookup_cut_before_its_verify_still_calibrates(held):
+    """A lookup proposal no verify would pay for is dropped, and the round's own token says
+    whether its first draft would have held: the sequence's lookup calibration learns from
+    it as from a verified draft, up when it would have held, down when not."""
+    hybrid = _hybrid(_costs(main_ms=(30,) + (300,) * 8))  # a verify of 2+ tokens: 10x a decode
+    seq = _seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2])  # "1, 2" matched: 3 proposed
+    [proposed] = hybrid.propose([DraftJob(seq, "lookup", 0, 8)])
+    assert len(proposed.pending) == 0 and hybrid.shadow[seq.id][0] == 3  # cut, remembered
+    hybrid.settle(seq, len(seq.tokens), 0, 0, 3 if held else 99, 0.03)
+    calibration = hybrid.chooser.state(seq.id).calibration["lookup"]
+    assert (calibration > 1.0) if held else (calibration < 1.0)
+    assert seq.id not in hybrid.shadow

@@ -71,6 +71,11 @@ class HybridDrafter:
         self.chooser = chooser
         self.states: dict[int, DraftState] = {}
         self.backoff = Backoff()
+        # seq id -> (first lookup draft, its survival) of a proposal cut before its verify:
+        # the round's own token says whether it would have held, and the calibration learns
+        # from it for free (on chat prompts a verified lookup's drafts held 2-3x less often
+        # than predicted, and most proposals are cut, so verifies alone taught it too late)
+        self.shadow: dict[int, tuple[int, float]] = {}
 
     def configure(self, config) -> None:
         """A new DFlashConfig, between steps."""
@@ -139,7 +144,11 @@ class HybridDrafter:
             st = self.state(seq)
             if method != "draft":  # pending drafts that would not pay their verify go
                 before = len(st)
-                self.truncate(seq, self.chooser.worth(self.survivals(seq), _forced(st)))
+                survivals = self.survivals(seq)
+                paying = self.chooser.worth(survivals, _forced(st))
+                if not paying and before and st.sources[0] == "lookup":
+                    self.shadow[seq.id] = (st.tokens[0], survivals[0])
+                self.truncate(seq, paying)
                 if seq.id in caps:
                     self.backoff.record(seq.id, kept=len(st) > _forced(st) and before > 0)
             extra = self._extension(seq, window) if method == "hybrid" else window
@@ -229,8 +238,12 @@ class HybridDrafter:
         `old_len`: the sequence's length before this round's tokens were appended;
         `seconds`: the round's drafting and verify time."""
         self.chooser.observe_round(seq.id, seconds)
+        shadow = self.shadow.pop(seq.id, None)
+        if shadow is not None and not verified:  # a lookup cut unverified: would it have held?
+            token, survival = shadow
+            self.chooser.observe(seq.id, "lookup", survival, int(token == main_token))
         st = self.state(seq)
-        if not verified and not len(st):  # a plain round: nothing to learn or to trim
+        if not verified and not len(st):  # a plain round: nothing more to learn or to trim
             return
         sources = st.sources[:verified]
         survivals = self.survivals(seq, verified)
@@ -248,6 +261,7 @@ class HybridDrafter:
 
     def release(self, seq: Sequence) -> None:
         self.states.pop(seq.id, None)
+        self.shadow.pop(seq.id, None)
         self.backoff.forget(seq.id)
         self.chooser.forget(seq.id)
         for drafter in self.drafters:
