@@ -16,9 +16,10 @@ from dspark.runtime.dflash.source import (
     PRIOR_WEIGHT,
     SourceChooser,
 )
-from dspark.runtime.drafting.base import DraftJob
+from dspark.runtime.drafting.base import DraftJob, Proposed
 from dspark.runtime.drafting.hybrid import HybridDrafter
 from dspark.runtime.drafting.lookup import LookupDrafter
+from dspark.runtime.drafting.state import DraftState
 from dspark.runtime.model.costs import DRAFT_STEP, CostModel
 from dspark.runtime.sequence.request import GenerationRequest, Sequence
 
@@ -258,22 +259,63 @@ def test_lookup_backs_off_while_it_pays_nothing():
 
 
 def test_a_backed_off_lookup_rests_on_exactly_the_skipped_rounds():
-    """A lookup job whose sequence's lookups kept nothing rests (a plain round, no lookup
-    walked: its Proposed has lookup cap 0) on exactly the rounds the back-off skips, and
-    looks up on the rest; pending drafts never rest."""
+    """A lookup-only sequence whose lookups kept nothing rests (`rests`: a plain round, no
+    lookup walked) on exactly the rounds the back-off skips, and looks up on the rest;
+    pending drafts never rest."""
     from dspark.runtime.drafting.hybrid import Backoff
 
     hybrid, reference = _hybrid(_costs()), Backoff()
     seq = _seq(list(range(10, 20)))  # nothing repeats: every lookup keeps nothing
+    rested = 0
     for _ in range(40):
         looks = reference.ready(seq.id)
-        proposed = hybrid.propose([DraftJob(seq, "lookup", 0, 8)])
-        assert _sources(proposed) == ["plain"]
-        assert proposed[0].lookup == (8 if looks else 0)
+        assert hybrid.rests(seq) == (not looks)
         if looks:
+            proposed = hybrid.propose([DraftJob(seq, "lookup", 0, 8)])
+            assert _sources(proposed) == ["plain"] and proposed[0].lookup == 8
             reference.record(seq.id, kept=False)
+        rested += not looks
+    assert rested > 20  # the back-off did skip
     hybrid.state(seq).add(3, "lookup", None, 0.9)
-    assert not hybrid.resting(seq)
+    assert not hybrid.rests(seq)
+
+
+def test_the_planner_leaves_a_resting_lookup_slot_plain():
+    """A lookup slot whose lookups rest this round gets no drafting work: the planner
+    leaves it a plain slot and `propose` never sees it; the other slot of the batch (a
+    request that asks for the lookup explicitly, not resting) is proposed for as usual."""
+    from dspark.runtime.bundle.config import DFlashConfig, ResourceConfig, ResourceRow
+    from dspark.runtime.dflash.ras import Device, ResourceManager
+    from dspark.runtime.dflash.vlb import VerifyBalancer
+    from dspark.runtime.engine.planner import WindowPlanner
+    from dspark.runtime.engine.round_plan import RoundPlan, Slot
+
+    config, costs = DFlashConfig(), _costs()
+    planner = WindowPlanner(config, costs, ResourceManager(
+        ResourceConfig(table=(ResourceRow("cpu", 8),)), Device("cpu", "cpu", 24.0, 2), {}),
+        VerifyBalancer(config.verify_balance, costs), has_model=False)
+
+    class Recording:
+        def __init__(self, resting: set[int]):
+            self.resting, self.jobs = resting, []
+
+        def rests(self, seq):
+            return seq.id in self.resting
+
+        def propose(self, jobs):
+            self.jobs.extend(j.seq.id for j in jobs)
+            return [Proposed("plain", j.lookup, DraftState()) for j in jobs]
+
+    a, b = _seq(list(range(10, 20)), seq_id=1), _seq(list(range(30, 40)), seq_id=2)
+    for seq in (a, b):  # past the prompt: one token generated, not yet cached
+        seq.tokens.append(7)
+        seq.main_cached = len(seq.tokens) - 1
+    drafting = Recording({1})
+    plan = planner.plan(RoundPlan((Slot(a, 1), Slot(b, 1))), drafting)
+    assert drafting.jobs == [2]
+    [left, proposed] = plan.slots
+    assert (left.method, left.lookup, left.verify) == ("plain", 0, 0)
+    assert proposed.method == "lookup" and proposed.lookup > 0
 
 
 @pytest.mark.parametrize("held", [True, False])

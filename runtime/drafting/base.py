@@ -62,10 +62,13 @@ class Proposed(NamedTuple):
 
 class Drafting(Protocol):
     """The round's drafting as the engine and the planner call it (drafting/hybrid.py):
+    `rests` once per round for each lookup slot (True: nothing to do, a plain round), then
     `propose` once per round (from the planner), `settle` with verification's outcome
     (from the engine); `release` when a sequence ends."""
 
     default_draft: str | None  # the draft model role sequences use (None: none)
+
+    def rests(self, seq: Sequence) -> bool: ...
 
     def propose(self, jobs: list[DraftJob]) -> list[Proposed]: ...
 

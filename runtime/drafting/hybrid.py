@@ -101,10 +101,13 @@ class HybridDrafter:
             st = self.states[seq.id] = DraftState()
         return st
 
-    def resting(self, seq: Sequence) -> bool:
-        """Nothing pending and the sequence's lookups backed off this round (the round's
-        skip is spent): a lookup-only round with nothing to do."""
-        return not len(self.state(seq)) and not self.backoff.ready(seq.id)
+    def rests(self, seq: Sequence) -> bool:
+        """A lookup-only sequence with nothing pending, no grammar, and its lookups backed
+        off this round (the round's skip is spent): a plain round with nothing to do. Asked
+        once per round, before `propose` (the planner leaves such a slot plain)."""
+        st = self.states.get(seq.id)
+        return ((st is None or not len(st)) and seq.constraint is None
+                and not self.backoff.ready(seq.id))
 
     def survivals(self, seq: Sequence, count: int | None = None) -> list[float]:
         st = self.state(seq)
@@ -116,16 +119,10 @@ class HybridDrafter:
         lookup+draft; held drafts count as what proposed them), its lookup cap, raised to
         take a grammar's forced tokens, and the pending drafts. A grammar's sequence starts
         from the tokens it forces (free drafts), and its drafts end at the first one the
-        grammar forbids. A lookup job whose lookups are backed off (`resting`) is a plain
-        round with no drafting work at all: at int4 speeds the drafting path's bookkeeping
-        alone cost ~1%."""
-        rested = {j.seq.id for j in jobs if j.method == "lookup" and j.seq.constraint is None
-                  and self.resting(j.seq)}
-        working = [self._force(j) for j in jobs if j.seq.id not in rested]
+        grammar forbids. The jobs are those the planner did not leave plain (`rests`)."""
+        working = [self._force(j) for j in jobs]
         self._fill(working)
-        done = {j.seq.id: j for j in working}
-        return [self._proposed(done[j.seq.id]) if j.seq.id in done
-                else Proposed("plain", 0, self.state(j.seq)) for j in jobs]
+        return [self._proposed(j) for j in working]
 
     def _proposed(self, job: DraftJob) -> Proposed:
         st = self.state(job.seq)

@@ -125,7 +125,7 @@ class WindowPlanner:
         """The round before its verify: each slot's method and windows, the drafts the
         drafting proposes for them (its one call this round), and how many the verify
         checks."""
-        planned = self._windows(plan)
+        planned = self._windows(plan, drafting)
         jobs = [s for s in planned if s.method != "plain"]
         proposed = drafting.propose([
             DraftJob(s.seq, s.method, s.window, s.lookup, s.finishes_prompt, s.room,
@@ -137,13 +137,20 @@ class WindowPlanner:
         return self._balance(planned.with_slots(filled.get(s.seq.id, s) for s in planned),
                              survivals)
 
-    def _windows(self, plan: RoundPlan) -> RoundPlan:
-        drafting = [s for s in plan if not s.seq.prefilling and s.seq.request.speculative]
+    def _windows(self, plan: RoundPlan, drafting: Drafting) -> RoundPlan:
+        """Each speculating slot's method and windows. A lookup slot whose lookups rest this
+        round (`Drafting.rests`) stays a plain slot: no drafting work at all, the same step
+        as plain decoding's (a chat's lookups rest in most rounds, and the drafting path's
+        bookkeeping cost them ~45 us a token, 1% of an int4 step)."""
+        methods = {s.seq.id: self.method(s.seq) for s in plan
+                   if not s.seq.prefilling and s.seq.request.speculative}
+        speculating = [s for s in plan if s.seq.id in methods and not (
+            methods[s.seq.id] == "lookup" and drafting.rests(s.seq))]
         for policy in self.policies.values():
-            policy.begin_round(len(drafting))
+            policy.begin_round(len(speculating))
         slots = {}
-        for s in drafting:
-            method = self.method(s.seq)
+        for s in speculating:
+            method = methods[s.seq.id]
             window = 0
             if method != "lookup":
                 window = self.policy(s.seq.tenant).window(self.view(s.seq))
@@ -152,8 +159,8 @@ class WindowPlanner:
                 window = min(self.cap(s.seq), window)
             lookup = self.lookup_cap(s.seq) if method != "draft" else 0
             slots[s.seq.id] = s.but(method=method, window=window, lookup=lookup)
-        cap = self.balancer.batch_cap(len(drafting), max((s.window for s in slots.values()),
-                                                         default=0))
+        cap = self.balancer.batch_cap(len(speculating),
+                                      max((s.window for s in slots.values()), default=0))
         return plan.with_slots(
             slots[s.seq.id].but(window=min(cap, slots[s.seq.id].window))
             if s.seq.id in slots else s for s in plan)
