@@ -28,16 +28,23 @@ class FlatBatch:
 
     @classmethod
     def build(cls, chunks: list[SeqChunk]) -> FlatBatch:
+        """From Python lists, one numpy array per field: a decode step builds one of these
+        per forward, and after the forward's weights have left the caches each numpy call
+        costs ~10 us (the concatenate / cumsum form took ~50 us a forward, 1% of an int4
+        SmolLM2 step)."""
         if not chunks or any(len(c.tokens) == 0 for c in chunks):
             raise ValueError("a batch needs at least one token per sequence")
-        lens = np.array([len(c.tokens) for c in chunks], dtype=np.int64)
-        starts = np.array([c.start for c in chunks], dtype=np.int64)
+        tokens, positions, cu = [], [], [0]
+        for c in chunks:
+            tokens.extend(c.tokens)
+            positions.extend(range(c.start, c.start + len(c.tokens)))
+            cu.append(cu[-1] + len(c.tokens))
         return cls(
-            token_ids=np.array([t for c in chunks for t in c.tokens], dtype=np.int64),
-            positions=np.concatenate([s + np.arange(n) for s, n in zip(starts, lens)]),
+            token_ids=np.array(tokens, dtype=np.int64),
+            positions=np.array(positions, dtype=np.int64),
             slots=np.array([c.slot for c in chunks], dtype=np.int64),
-            starts=starts,
-            cu_seqlens=np.concatenate([[0], np.cumsum(lens)]),
+            starts=np.array([c.start for c in chunks], dtype=np.int64),
+            cu_seqlens=np.array(cu, dtype=np.int64),
         )
 
     @property

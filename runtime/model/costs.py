@@ -83,8 +83,8 @@ class CostModel:
     def record(self, role: str, tokens: int, seconds: float, seqs: int = 1) -> None:
         if tokens < 1 or seconds <= 0:
             return
-        base = self.seconds(role, tokens)
-        if seqs > 1 and base is not None:
+        base = self.seconds(role, tokens) if seqs > 1 else None
+        if base is not None:
             residual = max(0.0, (seconds - base) / (seqs - 1))
             old = self.per_seq.get(role)
             self.per_seq[role] = residual if old is None else old + SMOOTHING * (residual - old)
