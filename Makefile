@@ -67,7 +67,7 @@ benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmark
 	$(BIN)/python samples/bench_peers.py --repeats 2 --background-load --systems \
 	    dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default \
 	    dsrun-genai4-plain dsrun-genai4-default --json $(REPORTS)/peers_loaded.json
-	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/python samples/bench_peers.py --repeats 2 --systems \
+	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/python samples/bench_peers.py --repeats 4 --systems \
 	    dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default \
 	    --json $(REPORTS)/peers_avx2.json
 	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/python samples/bench_peers.py --repeats 2 --background-load \

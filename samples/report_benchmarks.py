@@ -41,7 +41,7 @@ REPORTS = [
      "MatMulInt4 path this CPU runs and MatMulNBits with each zero-point form; the ratio is to "
      "MatMulNBits symmetric."),
     ("peers_avx2.json", "dsrun on its AVX2 path",
-     "DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell python samples/bench_peers.py --repeats 2 "
+     "DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell python samples/bench_peers.py --repeats 4 "
      "--systems dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default "
      "--json build/reports/peers_avx2.json",
      "MatMulInt4 forced to its AVX2 path and the attention built for AVX2 (what an AVX2-only "
