@@ -20,12 +20,11 @@ import argparse
 import time
 from pathlib import Path
 
-from dspark.runtime.cli.bench import _ids, _one, load_prompts
-from dspark.runtime.engine.loader import load_engine
+from step_phases import engine_and_prompts
+
+from dspark.runtime.cli.bench import _one
 from dspark.runtime.model.device import cpu_line
 from dspark.runtime.model.runner import ModelRunner
-
-PROMPTS = Path(__file__).resolve().parent / "prompts" / "peer_prompts.jsonl"
 
 
 class TimedSession:
@@ -51,11 +50,7 @@ def main() -> None:
     ap.add_argument("--class", dest="cls", default="chat")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    engine, tokenizer = load_engine(args.bundle, None, watch=False)[:2]
-    prompts = [p for p in load_prompts(PROMPTS) if p["class"] == args.cls]
-    if not prompts:
-        raise SystemExit(f"error: --class {args.cls!r}: no such class in {PROMPTS}")
-    ids = [_ids(tokenizer, p) for p in prompts]
+    engine, ids = engine_and_prompts(args.bundle, args.cls)
     _one(engine, ids[0], 8, False)  # first runs: allocations
     ort, whole, forwards = [0.0], [0.0], [0]
     model = engine.main.model

@@ -41,6 +41,15 @@ STAGES = [(engine_module.Engine, "step", "step"),
           (planner.WindowPlanner, "observe", "advance: observe")]
 
 
+def engine_and_prompts(bundle: Path, cls: str):
+    """The bundle's engine and the token ids of the peer prompts of class `cls`."""
+    engine, tokenizer = load_engine(bundle, None, watch=False)[:2]
+    prompts = [p for p in load_prompts(PROMPTS) if p["class"] == cls]
+    if not prompts:
+        raise SystemExit(f"error: --class {cls!r}: no such class in {PROMPTS}")
+    return engine, [_ids(tokenizer, p) for p in prompts]
+
+
 def instrument(spent: dict[str, float]) -> None:
     for cls, name, label in STAGES:
         inner = getattr(cls, name)
@@ -64,11 +73,7 @@ def main() -> None:
     args = ap.parse_args()
     spent: dict[str, float] = defaultdict(float)
     instrument(spent)
-    engine, tokenizer = load_engine(args.bundle, None, watch=False)[:2]
-    prompts = [p for p in load_prompts(PROMPTS) if p["class"] == args.cls]
-    if not prompts:
-        raise SystemExit(f"error: --class {args.cls!r}: no such class in {PROMPTS}")
-    ids = [_ids(tokenizer, p) for p in prompts]
+    engine, ids = engine_and_prompts(args.bundle, args.cls)
     _one(engine, ids[0], 8, True)  # first runs: allocations
     _one(engine, ids[0], 8, False)
     per_token: dict[tuple[bool, str], list[float]] = defaultdict(list)
