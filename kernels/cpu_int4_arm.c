@@ -43,6 +43,7 @@
 #define LOAD_HALVES(p) vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)(p))))
 #define PREFETCH_T0(p) __builtin_prefetch((const void *)(p), 0, 3)
 #define SPLIT8 1
+#define ROWS 4
 
 #define NAME(x) neon_dotprod_##x
 #define TARGET __attribute__((target("arch=armv8.2-a+dotprod+fp16")))

@@ -43,6 +43,7 @@
 #define LOAD_HALVES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define PREFETCH_T0(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 #define SPLIT8 0
+#define ROWS 12 /* 32 registers: 12 accumulators beside the unpacked weights */
 
 #define NAME(x) avx512_vnni_##x
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
@@ -83,6 +84,7 @@
 #undef FMADD
 #undef STOREU_F
 #undef LOAD_HALVES
+#undef ROWS
 
 /* ---- 256 bits: 8 rows a vector, two halves a group ---- */
 #define W 8
@@ -108,6 +110,7 @@
 #define FMADD(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define STOREU_F(p, v) _mm256_storeu_ps(p, v)
 #define LOAD_HALVES(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define ROWS 4 /* 16 registers */
 
 #define NAME(x) avx_vnni_##x
 #define TARGET __attribute__((target("avx2,avxvnni,f16c,fma")))

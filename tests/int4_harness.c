@@ -43,7 +43,7 @@ int main(void) {
   static const char *names[ISA_COUNT] = {"generic", "avx2", "avx_vnni", "avx512", "avx512_vnni",
                                          "neon_dotprod"};
   static const int64_t shapes[][3] = {{32, 3, 1}, {64, 16, 2}, {128, 45, 3}, {96, 17, 4},
-                                      {576, 70, 5}, {256, 33, 9}};  /* k, n, rows */
+                                      {576, 70, 5}, {256, 33, 9}, {64, 20, 13}};  /* k, n, rows */
   const int paths = dspark_int4_paths();
   int cases = 0;
   for (int bits = 4; bits <= 8; bits += 4)

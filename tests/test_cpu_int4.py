@@ -96,7 +96,10 @@ def _numpy_blocks(x: np.ndarray, b: np.ndarray, scales: np.ndarray, k: int, n: i
 
 FORMATS = [(4, False), (4, True), (8, False), (8, True)]  # bits, mins
 SHAPES = [(32, 3, 1, 1), (64, 5, 1, 1), (128, 64, 2, 2), (192, 33, 3, 2), (576, 130, 1, 2),
-          (576, 70, 5, 3), (96, 17, 4, 2), (1536, 48, 9, 2)]  # k, n, rows, threads
+          (576, 70, 5, 3), (96, 17, 4, 2), (1536, 48, 9, 2),
+          # rows sharing one load of the weights: up to 4 on AVX2, 12 on AVX-512, then again
+          (32, 16, 7, 1), (64, 20, 8, 1), (160, 17, 11, 2), (128, 40, 12, 2), (96, 33, 13, 1),
+          (64, 18, 27, 2)]  # k, n, rows, threads
 
 
 def _paths() -> tuple[str, ...]:

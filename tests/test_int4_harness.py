@@ -46,7 +46,7 @@ def native(tmp_path_factory):
 
 def test_every_native_path_gives_the_same_bits(native):
     cases = {case for case, _ in native}
-    assert len(cases) == 24  # 6 shapes x 4 formats
+    assert len(cases) == 28  # 7 shapes x 4 formats
     for case in cases:
         digests = {path: d for (c, path), d in native.items() if c == case}
         assert "generic" in digests and len(set(digests.values())) == 1, (case, digests)
