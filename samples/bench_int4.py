@@ -1,6 +1,7 @@
 """MatMulInt4 on each path this CPU runs against onnxruntime's MatMulNBits, one projection alone.
 
     python samples/bench_int4.py [--rows 1,4,9] [--repeats 40] [--shapes smollm2|gemma3]
+                                 [--against REV]
 
 Per projection shape of the model (SmolLM2: qkv 576x960, o 576x576, gate/up 576x3072, down
 1536x576, the 8-bit head 576x49152), blocks of 32 at accuracy level 4 (int8 inputs):
@@ -9,13 +10,18 @@ and MatMulInt4 on every path the CPU has (kernels/cpu_int4*.c; generic: the plai
 on the process-wide pool dsrun uses with its thread count, interleaved (each round runs every
 variant once, in a rotated order), median microseconds and the ratio to onnxruntime's
 symmetric kernel. The weights are large enough to come from memory, as in a decode step.
+With --against, every path of REV's MatMulInt4 (its kernels built from a worktree, as
+bench_revisions.py checks revisions out) runs in the same rounds, "@REV" after its name.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -44,7 +50,24 @@ def _model(node, k: int, inits) -> bytes:
         helper.make_opsetid("ai.dspark", 1)]).SerializeToString()
 
 
-def variants(k: int, n: int, bits: int, library, threads: int) -> dict:
+def revision_library(rev: str) -> Path:
+    """REV's kernel library, built by REV's own code into the kernel cache."""
+    from bench_revisions import checkout
+
+    code = ("from dspark.kernels.cpu_op import op_library\n"
+            "from dspark.runtime.env import kernel_cache_dir, read_env\n"
+            "built = op_library(kernel_cache_dir(), read_env().cc)\n"
+            "print(built.path or '', built.reason, sep='\\n')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(checkout(rev))})
+    path = done.stdout.splitlines()[0] if done.returncode == 0 and done.stdout else ""
+    if not path:
+        sys.exit(f"--against {rev}: its kernels did not build: {done.stderr.strip()[-300:]}")
+    return Path(path)
+
+
+def variants(k: int, n: int, bits: int, library, threads: int,
+             others: dict[str, Path]) -> dict:
     rng = np.random.default_rng(k * n)
     b = rng.integers(0, 256, (n, k // 32, 4 * bits), dtype=np.uint8)
     scales = (rng.random(n * k // 32, dtype=np.float32) * 0.02 + 1e-3).astype(np.float32)
@@ -64,11 +87,13 @@ def variants(k: int, n: int, bits: int, library, threads: int) -> dict:
         out[f"MatMulNBits {name}"] = make_session(_model(node, k, inits))
     mins = block_mins(zero["float zp"] if bits == 4 else None, scales, bits, n, k // 32)
     packed = numpy_helper.from_array(pack_groups(b, scales, k, n, bits, mins), "w")
-    for isa in int4_paths(library):
-        node = helper.make_node("MatMulInt4", ["x", "w"], ["y"], domain="ai.dspark", K=k, N=n,
-                                threads=threads, bits=bits, mins=int(mins is not None),
-                                isa=ISA_PATHS.index(isa))
-        out[f"MatMulInt4 {isa}"] = make_session(_model(node, k, [packed]), custom_ops=library)
+    for suffix, lib in {"": library, **{f" @{rev}": p for rev, p in others.items()}}.items():
+        for isa in int4_paths(lib):
+            node = helper.make_node("MatMulInt4", ["x", "w"], ["y"], domain="ai.dspark", K=k,
+                                    N=n, threads=threads, bits=bits, mins=int(mins is not None),
+                                    isa=ISA_PATHS.index(isa))
+            out[f"MatMulInt4 {isa}{suffix}"] = make_session(_model(node, k, [packed]),
+                                                            custom_ops=lib)
     return out
 
 
@@ -91,16 +116,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2")
     ap.add_argument("--json", type=Path, help="also write the measurements here")
+    ap.add_argument("--against", metavar="REV", action="append", default=[],
+                    help="also time this revision's MatMulInt4 (repeatable)")
     args = ap.parse_args()
     init_threads()
     env = read_env()
     library = op_library(kernel_cache_dir(), env.cc).path
+    others = {rev: revision_library(rev) for rev in args.against}
     print(cpu_line())
     print(f"MatMulInt4 paths: {', '.join(int4_paths(library))}; {env.threads} threads; "
           f"median us of {args.repeats} interleaved runs; ratio to MatMulNBits symmetric")
     rows_out = []
     for name, k, n, bits in SHAPES[args.shapes]:
-        sessions = variants(k, n, bits, library, env.threads)
+        sessions = variants(k, n, bits, library, env.threads, others)
         for rows in (int(r) for r in args.rows.split(",")):
             x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
             us = measure(sessions, x, args.repeats)
@@ -111,7 +139,7 @@ def main() -> None:
                              "us": us})
     if args.json:
         report = {"cpu": cpu_line(), "revision": revision(), "threads": env.threads,
-                  "repeats": args.repeats, "rows": rows_out}
+                  "repeats": args.repeats, "against": args.against, "rows": rows_out}
         args.json.write_text(json.dumps(report, indent=2))
 
 
