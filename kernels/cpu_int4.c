@@ -19,7 +19,8 @@
    output   0 y float [..., N]
    attrs    K, N (int; K a multiple of 32), threads (int, default 1: the groups are split in
             that many runs over onnxruntime's intra-op pool), bits (4 or 8, default 4), mins
-            (0 or 1, default 0)
+            (0 or 1, default 0), isa (below), isa_few (the path for calls of at most FEW_ROWS
+            rows, default isa: the faster there, measured at load, runtime/model/int4_rows.py)
 
    At 4 bits vector v (0..3) of a block holds inputs k0 = 32b + 8v .. k0 + 7 of the group's 16
    rows: bytes 4i .. 4i+3 are row i's, byte 4i + j has input k0 + j in its low nibble and
@@ -51,7 +52,7 @@
 #include "ort_abi.h"
 
 typedef struct {
-  int64_t k, n, threads, bits, mins, isa;
+  int64_t k, n, threads, bits, mins, isa, isa_few;
 } Int4Kernel;
 
 static int64_t record_of(const Int4Call *c) { return record_bytes(c->bits, c->mins); }
@@ -209,10 +210,14 @@ static OrtStatus *int4_create(const OrtCustomOp *op, const void *api, const OrtK
     free(k);
     return error("MatMulInt4: bits must be 4 or 8 and mins 0 or 1");
   }
+  if (!ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_INT64, IntAttr)(info, "isa_few", &k->isa_few)))
+    k->isa_few = -1;
   if (k->isa < 0) k->isa = best_path();
-  if (k->isa >= ISA_COUNT || !(dspark_int4_paths() & (1 << k->isa))) {
+  if (k->isa_few < 0) k->isa_few = k->isa;
+  if (k->isa >= ISA_COUNT || !(dspark_int4_paths() & (1 << k->isa)) ||
+      k->isa_few >= ISA_COUNT || !(dspark_int4_paths() & (1 << k->isa_few))) {
     free(k);
-    return error("MatMulInt4: isa names a path this CPU does not run");
+    return error("MatMulInt4: isa or isa_few names a path this CPU does not run");
   }
   *kernel = k;
   return NULL;
@@ -254,7 +259,7 @@ static OrtStatus *int4_compute(void *kernel, OrtKernelContext *ctx) {
   /* one contiguous run of groups per thread: each streams its own */
   const int64_t items = kk->threads < groups ? kk->threads : groups;
   Int4Work work = {{w, (float *)out, x8, sx, zx, k, n, rows, groups, items, kk->bits, kk->mins},
-                   (int)kk->isa};
+                   (int)(rows <= FEW_ROWS ? kk->isa_few : kk->isa)};
   if (items < 2 || dspark_solo ||
       !ok(ORT(KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(ctx, int4_item, (size_t)items,
                                                           (size_t)items, &work)))

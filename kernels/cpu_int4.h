@@ -10,7 +10,7 @@
 
 #include <stdint.h>
 
-enum { BLOCK = 32, LANES = 16, PREFETCH = 8192 };
+enum { BLOCK = 32, LANES = 16, PREFETCH = 8192, FEW_ROWS = 2 };
 
 /* The paths, worst first (an attribute `isa` forces one; absent: the best the CPU runs). */
 enum {

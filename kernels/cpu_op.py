@@ -144,6 +144,34 @@ def int4_paths(library: Path) -> tuple[str, ...]:
     return tuple(name for i, name in enumerate(ISA_PATHS) if mask & (1 << i))
 
 
+def int4_timings(library: Path, isas: tuple[str, ...], packed, k: int, n: int, bits: int,
+                 mins: bool, rounds: int = 3) -> dict[str, float]:
+    """Median seconds of one row through each of `isas` on these packed weights (one thread,
+    dspark_int4_run), the paths taking turns, every call after 64 MB written, so that the
+    weights come from memory as in a decode step."""
+    import ctypes
+    import statistics
+    import time
+
+    import numpy as np
+
+    run = ctypes.CDLL(str(library)).dspark_int4_run
+    run.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                    *[ctypes.c_int64] * 5]
+    x = np.random.default_rng(0).standard_normal((1, k)).astype(np.float32)
+    y = np.empty((1, n), np.float32)
+    flush = np.zeros(64 << 20, np.uint8)
+    times: dict[str, list[float]] = {isa: [] for isa in isas}
+    for _ in range(rounds):
+        for isa in isas:
+            flush += 1
+            t0 = time.perf_counter()
+            run(ISA_PATHS.index(isa), x.ctypes.data, packed.ctypes.data, y.ctypes.data, 1, k, n,
+                bits, int(mins))
+            times[isa].append(time.perf_counter() - t0)
+    return {isa: statistics.median(t) for isa, t in times.items()}
+
+
 class SoloOps:
     """The library's process-wide switch (dspark_set_solo, cpu_op.c): on, our ops run their
     work items in turn on the calling thread instead of on onnxruntime's pool. Set only when it

@@ -176,8 +176,68 @@ def test_a_path_the_cpu_lacks_is_refused(library):
     missing = [i for i, name in enumerate(ISA_PATHS) if name not in int4_paths(library)]
     b, scales = _weights(np.random.default_rng(1), 64, 16)
     for isa in [*missing, len(ISA_PATHS)]:
-        with pytest.raises(Exception, match="isa names a path this CPU does not run"):
+        with pytest.raises(Exception, match="isa or isa_few names a path this CPU does not"):
             _op_session(library, 64, 16, pack_groups(b, scales, 64, 16), isa=isa)
+
+
+def test_a_few_rows_path_serves_one_and_two_rows_with_the_same_bits(library):
+    """`isa_few` runs calls of one or two rows, `isa` the rest: the same bits either way."""
+    paths = int4_paths(library)
+    rng = np.random.default_rng(11)
+    k, n = 96, 40
+    b, scales = _weights(rng, k, n, 8)
+    packed = pack_groups(b, scales, k, n, 8)
+    for rows in (1, 2, 3, 5):
+        x = rng.standard_normal((rows, k), dtype=np.float32)
+        want = _run_path(library, "generic", x, packed, rows, k, n, 8, False)
+        for isa, few in [(paths[-1], "generic"), ("generic", paths[-1])]:
+            got = _op_session(library, k, n, packed, bits=8, isa=ISA_PATHS.index(isa),
+                              isa_few=ISA_PATHS.index(few)).run(None, {"x": x})[0]
+            np.testing.assert_array_equal(got, want, err_msg=f"{isa}/{few}, {rows} rows")
+    missing = [i for i, name in enumerate(ISA_PATHS) if name not in paths]
+    for few in [*missing, len(ISA_PATHS)]:
+        with pytest.raises(Exception, match="isa or isa_few names a path this CPU does not"):
+            _op_session(library, k, n, packed, bits=8, isa=0, isa_few=few)
+
+
+def test_the_few_rows_path_is_the_one_measured_faster():
+    from dspark.runtime.model.int4_rows import few_rows_path
+
+    both = ("generic", "avx2", "avx512", "avx512_vnni")
+    asked = []
+
+    def timings(vnni: float, bw: float):
+        def measure(isas):
+            asked.append(isas)
+            return {"avx512_vnni": vnni, "avx512": bw}
+        return measure
+
+    assert few_rows_path("avx512_vnni", both, timings(1.0, 0.8)) == "avx512"
+    assert few_rows_path("avx512_vnni", both, timings(1.0, 0.97)) == "avx512_vnni"  # < 5%
+    assert few_rows_path("avx512_vnni", both, timings(0.8, 1.0)) == "avx512_vnni"
+    assert len(asked) == 3
+    # nothing to choose between: no timing at all
+    assert few_rows_path("avx512", both[:3], timings(1.0, 0.5)) == "avx512"
+    assert few_rows_path("avx512_vnni", ("generic", "avx512_vnni"), timings(1, 0.5)) == \
+        "avx512_vnni"
+    assert len(asked) == 3
+
+
+def test_rewrite_asks_for_a_few_rows_path_for_8_bit_projections_only():
+    rng = np.random.default_rng(5)
+    asked = []
+
+    def few_rows(packed, k, n, bits, mins):
+        asked.append((packed.shape, k, n, bits, mins))
+        return ISA_PATHS.index("generic")
+
+    for bits in (4, 8):
+        b, scales = _weights(rng, 64, 20, bits)
+        model = _nbits_model(64, 20, b, scales, 1, bits=bits)
+        assert rewrite_int4(model, ".", threads=1, isa=1, few_rows=few_rows) == 1
+        attrs = {a.name: helper.get_attribute_value(a) for a in model.graph.node[0].attribute}
+        assert (attrs["isa"], attrs["isa_few"]) == (1, 0 if bits == 8 else 1)
+    assert [a[1:] for a in asked] == [(64, 20, 8, False)]
 
 
 def test_the_runtime_picks_the_best_vector_path_or_the_forced_one():

@@ -41,11 +41,11 @@ def pool_inputs(layer: int) -> tuple[str, str]:
 
 
 def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int],
-                int4_path: str | None = None) -> tuple[bytes, int]:
+                int4_path: str | None = None, few_rows=None) -> tuple[bytes, int]:
     """The role's whole graph with arena and batch inputs on every SpeculativeVerify node,
     and how many projections became MatMulInt4. pool_shape: (kv_heads, block_size, head_dim)
     of the pool the model reads. `int4_path`: run its low-bit projections as MatMulInt4 on
-    that path (int4_rows.py; None: keep MatMulNBits)."""
+    that path (int4_rows.py; None: keep MatMulNBits); `few_rows`: rewrite_int4's."""
     spec = bundle.model(role)
     model = onnx.load(str(bundle.path(spec.graph_file)), load_external_data=False)
     graph = model.graph
@@ -76,16 +76,18 @@ def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int],
     if read_env().cpu_rows:
         rewrite_rows(model, bundle.path(spec.graph_file).parent)
     rewritten = (rewrite_int4(model, bundle.path(spec.graph_file).parent, read_env().threads,
-                              ISA_PATHS.index(int4_path)) if int4_path else 0)
+                              ISA_PATHS.index(int4_path), few_rows) if int4_path else 0)
     return model.SerializeToString(), rewritten
 
 
 class FusedModel:
     def __init__(self, bundle: Bundle, role: str, arena: KVArena, pool: str, library: Path,
-                 profile_prefix: str | None = None, int4_path: str | None = None):
+                 profile_prefix: str | None = None, int4_path: str | None = None,
+                 few_rows=None):
         """`pool`: the arena pool the model's attention reads and writes (a draft that shares
         the main's cache reads the main's). `library`: kernels/cpu_op.py's build.
-        `int4_path`: run its low-bit projections as MatMulInt4 on it (see fused_graph).
+        `int4_path`: run its low-bit projections as MatMulInt4 on it, and `few_rows` picks
+        an 8-bit one's path for one or two rows (see fused_graph).
         While other processes hold the cores the pool counts on (load_gate.py), its forwards
         run our ops' work on the calling thread (the library's solo switch); under
         DSPARK_THREADS=adaptive it has a session on its own pool and one without, and those
@@ -97,7 +99,7 @@ class FusedModel:
         first = arena.pools[pool].k[0]
         self.int4_path = int4_path
         graph, self.int4_projections = fused_graph(bundle, role, tuple(first.shape[1:]),
-                                                   int4_path)
+                                                   int4_path, few_rows)
         config = {EXTERNAL_FOLDER: str(bundle.path(self.spec.graph_file).parent)}
         adaptive = read_env().adaptive
         self.session = make_session(graph, custom_ops=library, profile_prefix=profile_prefix,

@@ -22,12 +22,14 @@ int4 main's output (MatMulNBits' own kernels differ between one row and several)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from dspark.kernels.cpu_op import ISA_PATHS, int4_timings
 from dspark.runtime.errors import DSparkError
 
 OP = "MatMulInt4"
@@ -158,11 +160,36 @@ def int4_path(paths: tuple[str, ...], enabled: bool, forced: str | None) -> str 
     return None if paths[-1] == "generic" else paths[-1]
 
 
-def rewrite_int4(model: onnx.ModelProto, folder: Path, threads: int, isa: int = -1) -> int:
+def few_rows_path(best: str, paths: tuple[str, ...],
+                  timings: Callable[[tuple[str, ...]], dict[str, float]]) -> str:
+    """The path for an 8-bit projection's calls of one or two rows (MatMulInt4's `isa_few`).
+    On an EPYC with AVX-512 VNNI its BW path streamed the 8-bit head from memory 10-25%
+    faster there, though it multiplies twice as often (docs/performance.md); the cause is
+    not known, so where the CPU has both, `timings` (seconds per path, on the projection's
+    own weights) decides: the BW path if it is faster by 5% or more, else `best`."""
+    if best != "avx512_vnni" or "avx512" not in paths:
+        return best
+    seconds = timings(("avx512_vnni", "avx512"))
+    return "avx512" if seconds["avx512"] < 0.95 * seconds["avx512_vnni"] else best
+
+
+def few_rows_chooser(library: Path, best: str, paths: tuple[str, ...]
+                     ) -> Callable[[np.ndarray, int, int, int, bool], int]:
+    """rewrite_int4's `few_rows` for this CPU: few_rows_path, timed with the library."""
+    def choose(packed: np.ndarray, k: int, n: int, bits: int, mins: bool) -> int:
+        return ISA_PATHS.index(few_rows_path(best, paths, lambda isas: int4_timings(
+            library, isas, packed, k, n, bits, mins)))
+
+    return choose
+
+
+def rewrite_int4(model: onnx.ModelProto, folder: Path, threads: int, isa: int = -1,
+                 few_rows: Callable[..., int] | None = None) -> int:
     """Every eligible MatMulNBits of `model` (its external data under `folder`) becomes a
     MatMulInt4 reading packed groups, held in the model, split over `threads`, on path `isa`
     (kernels/cpu_int4.h; -1: the best the CPU runs); the count rewritten. A projection whose
-    scales or mins float16 cannot hold stays MatMulNBits."""
+    scales or mins float16 cannot hold stays MatMulNBits. `few_rows(packed, k, n, bits,
+    mins)`: an 8-bit projection's path for calls of one or two rows (default `isa`)."""
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     done, replaced = 0, set()
@@ -179,12 +206,14 @@ def rewrite_int4(model: onnx.ModelProto, folder: Path, threads: int, isa: int = 
         if not _halves_hold(scales) or (mins is not None and not _mins_hold(mins)):
             continue
         rows_name = f"{node.output[0]}/int4_groups"  # output names are unique in a graph
-        graph.initializer.append(numpy_helper.from_array(
-            pack_groups(b, scales, k, n, bits, mins), rows_name))
+        packed = pack_groups(b, scales, k, n, bits, mins)
+        graph.initializer.append(numpy_helper.from_array(packed, rows_name))
         replaced.update(name for name in node.input[1:] if name)
+        few = (few_rows(packed, k, n, bits, mins is not None)
+               if few_rows is not None and bits == 8 else isa)
         new = helper.make_node(OP, [node.input[0], rows_name], list(node.output), name=node.name,
                                domain=DOMAIN, K=k, N=n, threads=threads, bits=bits,
-                               mins=int(mins is not None), isa=isa)
+                               mins=int(mins is not None), isa=isa, isa_few=few)
         node.CopyFrom(new)
         done += 1
     if done:

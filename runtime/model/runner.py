@@ -17,7 +17,7 @@ from dspark.runtime.model.batch import FlatBatch, SeqChunk
 from dspark.runtime.model.costs import CostModel
 from dspark.runtime.model.executor import SegmentedModel
 from dspark.runtime.model.fused import FusedModel
-from dspark.runtime.model.int4_rows import int4_path
+from dspark.runtime.model.int4_rows import few_rows_chooser, int4_path
 from dspark.runtime.model.kernel_attention import KernelAttention
 from dspark.runtime.model.paged_attention import PagedAttention
 
@@ -42,8 +42,14 @@ def cpu_model(bundle: Bundle, role: str, arena: KVArena, pool: str
     library = (op_library(kernel_cache_dir(), env.cc, env.cpu_march) if env.cpu_op and float32
                else None)
     if library is not None and library.path is not None:
-        path = int4_path(int4_paths(library.path), env.cpu_int4, env.cpu_isa)
-        model = FusedModel(bundle, role, arena, pool, library.path, int4_path=path)
+        paths = int4_paths(library.path)
+        path = int4_path(paths, env.cpu_int4, env.cpu_isa)
+        # a forced path runs everywhere; else an 8-bit projection's one- and two-row calls
+        # take the path measured faster there
+        few = (few_rows_chooser(library.path, path, paths)
+               if path is not None and env.cpu_isa is None else None)
+        model = FusedModel(bundle, role, arena, pool, library.path, int4_path=path,
+                           few_rows=few)
         if model.int4_projections:
             log.info("%s: %d int4 projections run as MatMulInt4 (%s)", role,
                      model.int4_projections, path)
