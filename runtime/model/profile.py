@@ -2,8 +2,10 @@
 
 First runs pay onnxruntime's allocations; second runs fill the cost table (seconds per
 forward size, and the per-sequence overhead from one forward of 8 one-token sequences)
-that the window policies, VLB and the hybrid drafter read. The probes use sequence ids
-below 0, which no request gets, and leave the arena as they found it.
+that the window policies, VLB and the hybrid drafter read. The forwards are shaped as the
+rounds': the main's score every token, as a verify does (costs.py), a draft's its last.
+The probes use sequence ids below 0, which no request gets, and leave the arena as they
+found it.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ def warmup(arena: KVArena, costs: CostModel, runners: dict[str, list[ModelRunner
                 costs.reset()
             for role, runner_list in runners.items():
                 for runner in runner_list:
-                    for n in sizes[role]:
-                        runner.forward([(PROBE, 0, [1] * n)], [1])
+                    for n in sizes[role]:  # the main's as a verify (every row scored)
+                        runner.forward([(PROBE, 0, [1] * n)], [n if role == "main" else 1])
                         arena.rollback(PROBE, runner.pool, 0)
                     runner.forward([(p, 0, [1]) for p in PROBES], [1] * len(PROBES))
                     for p in PROBES:
