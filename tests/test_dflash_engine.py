@@ -182,6 +182,7 @@ def test_verify_prices_are_of_forwards_that_score_every_token(compiled):
     from dspark.runtime.model.costs import PROMPT
 
     engine = Engine(open_bundle(compiled[("llama", "classic")]), "fixed", 4)
+    engine.main.model.gate = None  # one mode: every forward below records (see the next)
     scored, recorded = [], []
     forward, record = engine.main.model.forward, engine.costs.record
     engine.main.model.forward = lambda batch, index: (scored.append(len(index)),
@@ -196,6 +197,25 @@ def test_verify_prices_are_of_forwards_that_score_every_token(compiled):
     assert all(rows == tokens for role, tokens, rows in main if role == "main")
     assert (PROMPT, 17, 1) in main  # the prompt: 17 tokens, its last scored
     assert engine.costs.seconds("main", 9) > engine.costs.seconds("main", 1)
+
+
+def test_the_warm_up_prices_verifies_in_both_modes_of_the_load_gate(compiled):
+    """Forwards run solo while other processes hold the cores (load_gate.py): the warm-up
+    measures the main's verify sizes in that mode too, on forwards that did run solo, and
+    leaves the gate as it found it."""
+    from dspark.runtime.model.costs import EXACT
+
+    engine = Engine(open_bundle(compiled[("llama", "classic")]), "fixed", 4)
+    gate = engine.main.model.gate
+    assert gate is not None  # the default: forwards follow the load
+    before = engine.main.model.solo_forwards
+    engine.warmup(main_sizes=(1, 4, 9, 32), draft_sizes=(1,))
+    pool, solo = engine.costs.tables[False]["main"], engine.costs.tables[True]["main"]
+    assert engine.costs.measured[True] >= {("main", n) for n in (1, 4, 9)}
+    assert ("main", 32) not in engine.costs.measured[True]  # beyond EXACT: the pool's price
+    assert solo[32] == pool[32] and 32 > EXACT
+    assert engine.main.model.solo_forwards - before == 2 * 3  # allocation runs, then measured
+    assert gate.pin is None and not gate.solo
 
 
 def test_hybrid_floor_follows_how_often_the_drafts_hold(compiled):

@@ -167,3 +167,11 @@ def test_solo_forwards_give_the_pools_bits_and_speculation_stays_exact(int4_self
     assert out["switch"] == [0, 0 if adaptive else 1] * 6
     assert out["solo_forwards"] == [3, 3]
     assert out["same"] and out["drafted"] > 0, out  # drafts verified across switches
+
+
+def test_a_pinned_mode_holds_whatever_the_load_and_the_mode_before_returns():
+    gate, clock = _gate([1.0, 1.0, 1.0, 1.0])
+    with gate.pinned(True):
+        assert _modes(gate, clock, 3) == [True] * 3 and gate.solo
+    assert len(gate.host.readings) == 4 and not gate.solo  # no reading taken meanwhile
+    assert _modes(gate, clock, 2) == [False, True]  # then the load decides again

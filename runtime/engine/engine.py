@@ -288,10 +288,12 @@ class Engine:
         limit = self.plan.max_seq_len
         load = HostLoad()
         load.sample()
+        gate = getattr(self.main.model, "gate", None)
         profile = warmup(self.arena, self.costs,
                          {"main": [self.main], "draft": list(self.draft_models.values())},
                          {"main": [t for t in main_sizes if t < limit],
-                          "draft": [t for t in draft_sizes if t < limit]})
+                          "draft": [t for t in draft_sizes if t < limit]},
+                         solo=gate.pinned if gate is not None else None)
         other = load.sample()
         env = read_env()  # adaptive threads follow the load themselves: no hint
         hint = (thread_hint(other, env.threads, os.cpu_count() or 1)

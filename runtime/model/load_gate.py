@@ -24,6 +24,7 @@ switch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -51,9 +52,22 @@ class LoadGate:
         self.streak = 0
         self.switches = 0
         self.other: float | None = None
+        self.pin: bool | None = None
+
+    @contextlib.contextmanager
+    def pinned(self, solo: bool):
+        """Forwards run in `solo`'s mode meanwhile, whatever the load (the warm-up prices
+        both modes, model/profile.py); the mode before comes back after."""
+        before, self.pin, self.solo = self.solo, solo, solo
+        try:
+            yield
+        finally:
+            self.pin, self.solo = None, before
 
     def check(self) -> bool:
         """The mode for the next forward (reads the load when `every` has passed)."""
+        if self.pin is not None:
+            return self.pin
         now = self.clock()
         if now - self.at < self.every:
             return self.solo

@@ -13,15 +13,19 @@ from __future__ import annotations
 import time
 
 from dspark.runtime.cache.kv_arena import KVArena
-from dspark.runtime.model.costs import CostModel
+from dspark.runtime.model.costs import EXACT, CostModel
 from dspark.runtime.model.runner import ModelRunner
 
 PROBE, PROBES = -1, tuple(range(-9, -1))
 
 
 def warmup(arena: KVArena, costs: CostModel, runners: dict[str, list[ModelRunner]],
-           sizes: dict[str, list[int]]) -> dict:
-    """runners/sizes by cost role ("main", "draft"); returns seconds and main ms per size."""
+           sizes: dict[str, list[int]], solo=None) -> dict:
+    """runners/sizes by cost role ("main", "draft"); returns seconds and main ms per size.
+    `solo`: the load gate's `pinned` (load_gate.py), when forwards may run solo: the main's
+    verify sizes (up to EXACT) are priced in that mode too. Copied from the pool's table, a
+    solo verify was priced as the pool's against a decode measured solo, 10-35% under its
+    cost (genai's int4 build, AVX2 path, a core busy: 2 drafts 3.0x a decode, priced 2.0x)."""
     for seq_id in (PROBE, *PROBES):
         arena.add_sequence(seq_id)
     t0 = time.perf_counter()
@@ -31,14 +35,26 @@ def warmup(arena: KVArena, costs: CostModel, runners: dict[str, list[ModelRunner
                 costs.reset()
             for role, runner_list in runners.items():
                 for runner in runner_list:
-                    for n in sizes[role]:  # the main's as a verify (every row scored)
-                        runner.forward([(PROBE, 0, [1] * n)], [n if role == "main" else 1])
-                        arena.rollback(PROBE, runner.pool, 0)
+                    _sizes(arena, runner, sizes[role], role == "main")
                     runner.forward([(p, 0, [1]) for p in PROBES], [1] * len(PROBES))
                     for p in PROBES:
                         arena.rollback(p, runner.pool, 0)
+        if solo is not None:
+            with solo(True):
+                verifies = [n for n in sizes["main"] if n <= EXACT]
+                for measure in (False, True):  # a solo session's first runs allocate
+                    for runner in runners["main"]:
+                        _sizes(arena, runner, verifies, True, record=measure)
     finally:
         for seq_id in (PROBE, *PROBES):
             arena.release(seq_id)
     return {"seconds": time.perf_counter() - t0,
             "main_ms": {n: round(1000 * costs.seconds("main", n), 2) for n in sizes["main"]}}
+
+
+def _sizes(arena: KVArena, runner: ModelRunner, sizes: list[int], scored: bool,
+           record: bool = True) -> None:
+    """One forward of each size from an empty cache, every token scored or the last."""
+    for n in sizes:
+        runner.forward([(PROBE, 0, [1] * n)], [n if scored else 1], record=record)
+        arena.rollback(PROBE, runner.pool, 0)
