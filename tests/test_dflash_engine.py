@@ -161,8 +161,8 @@ def test_benchmark_can_lift_the_device_window_cap(compiled):
 def test_first_and_later_draft_forwards_are_costed_apart(compiled):
     """Every round's first draft forward goes to the "draft" row, the ones after it to
     their own, and the verify after them to the main's after-draft row (SourceChooser prices
-    a model window as first + steps + that verify); the prompt goes to its own row."""
-    from dspark.runtime.model.costs import AFTER_DRAFT, DRAFT_STEP, PROMPT
+    a model window as first + steps + that verify); the prompt stays in "main"."""
+    from dspark.runtime.model.costs import AFTER_DRAFT, DRAFT_STEP
 
     engine = Engine(open_bundle(compiled[("llama", "classic")]), "fixed", 4)
     rows, record = [], engine.costs.record
@@ -171,32 +171,8 @@ def test_first_and_later_draft_forwards_are_costed_apart(compiled):
     firsts, steps, verifies = (rows.count(r) for r in ("draft", DRAFT_STEP, AFTER_DRAFT))
     assert 0 < firsts == verifies  # one first draft forward per model round, then its verify
     assert steps >= 2 * firsts  # window 4: up to 3 more each round
-    assert rows.count(PROMPT) >= 1  # the prompt
+    assert rows.count("main") >= 1  # the prompt
     assert engine.costs.table[DRAFT_STEP] and engine.costs.table[AFTER_DRAFT]
-
-
-def test_verify_prices_are_of_forwards_that_score_every_token(compiled):
-    """The main's "main" row prices verifies: the warm-up's probes and the decodes it
-    records score every token they feed (the head runs per row), and a prompt's forwards,
-    which score at most their last, record into PROMPT (costs.py)."""
-    from dspark.runtime.model.costs import PROMPT
-
-    engine = Engine(open_bundle(compiled[("llama", "classic")]), "fixed", 4)
-    engine.main.model.gate = None  # one mode: every forward below records (see the next)
-    scored, recorded = [], []
-    forward, record = engine.main.model.forward, engine.costs.record
-    engine.main.model.forward = lambda batch, index: (scored.append(len(index)),
-                                                      forward(batch, index))[1]
-    engine.costs.record = lambda role, tokens, *a: (recorded.append((role, tokens)),
-                                                    record(role, tokens, *a))
-    engine.warmup(main_sizes=(1, 4, 9), draft_sizes=(1,))
-    engine.generate([GenerationRequest(tuple(range(3, 20)), 6, speculative=False)])
-    mains = [(role, tokens) for role, tokens in recorded if role in ("main", PROMPT)]
-    main = [(role, tokens, rows) for (role, tokens), rows in zip(mains, scored, strict=True)]
-    assert {(4, 4), (9, 9)} <= {(t, r) for role, t, r in main if role == "main"}
-    assert all(rows == tokens for role, tokens, rows in main if role == "main")
-    assert (PROMPT, 17, 1) in main  # the prompt: 17 tokens, its last scored
-    assert engine.costs.seconds("main", 9) > engine.costs.seconds("main", 1)
 
 
 def test_the_warm_up_prices_verifies_in_both_modes_of_the_load_gate(compiled):

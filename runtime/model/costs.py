@@ -33,7 +33,6 @@ import math
 SMOOTHING = 0.2
 DRAFT_STEP = "draft_step"
 AFTER_DRAFT = "main_after_draft"
-PROMPT = "main_prompt"
 # Token counts kept as their own rows. A forward's cost is far from proportional to its
 # tokens (SmolLM2 on 2 cores: 1 token 19.5 ms, 3 tokens 21.5): scaled into a power-of-two
 # bucket a 3-token verify was recorded as 2/3 of itself, so a 3-token verify looked cheaper
@@ -42,7 +41,7 @@ EXACT = 16
 
 
 def _empty() -> dict[str, dict[int, float]]:
-    return {"main": {}, "draft": {}, DRAFT_STEP: {}, AFTER_DRAFT: {}, PROMPT: {}}
+    return {"main": {}, "draft": {}, DRAFT_STEP: {}, AFTER_DRAFT: {}}
 
 
 class CostModel:

@@ -2,10 +2,10 @@
 
 First runs pay onnxruntime's allocations; second runs fill the cost table (seconds per
 forward size, and the per-sequence overhead from one forward of 8 one-token sequences)
-that the window policies, VLB and the hybrid drafter read. The forwards are shaped as the
-rounds': the main's score every token, as a verify does (costs.py), a draft's its last.
-The probes use sequence ids below 0, which no request gets, and leave the arena as they
-found it.
+that the window policies, VLB and the hybrid drafter read. Each probe scores its last token
+only, as a prompt does; a verify scores every row, and pricing it so measured slower
+(docs/drafting.md). The probes use sequence ids below 0, which no request gets, and leave
+the arena as they found it.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ def warmup(arena: KVArena, costs: CostModel, runners: dict[str, list[ModelRunner
            sizes: dict[str, list[int]], solo=None) -> dict:
     """runners/sizes by cost role ("main", "draft"); returns seconds and main ms per size.
     `solo`: the load gate's `pinned` (load_gate.py), when forwards may run solo: the main's
-    verify sizes (up to EXACT) are priced in that mode too. Copied from the pool's table, a
-    solo verify was priced as the pool's against a decode measured solo, 10-35% under its
-    cost (genai's int4 build, AVX2 path, a core busy: 2 drafts 3.0x a decode, priced 2.0x)."""
+    verify sizes (up to EXACT) are probed in that mode too. Copied from the pool's table, a
+    solo verify was priced as the pool's against a decode measured solo (genai's int4 build,
+    AVX2 path, a core busy: 2 drafts realized 3.0x a decode, priced 2.0x), and the sizes
+    seldom verified kept that price."""
     for seq_id in (PROBE, *PROBES):
         arena.add_sequence(seq_id)
     t0 = time.perf_counter()
@@ -35,7 +36,7 @@ def warmup(arena: KVArena, costs: CostModel, runners: dict[str, list[ModelRunner
                 costs.reset()
             for role, runner_list in runners.items():
                 for runner in runner_list:
-                    _sizes(arena, runner, sizes[role], role == "main")
+                    _sizes(arena, runner, sizes[role])
                     runner.forward([(p, 0, [1]) for p in PROBES], [1] * len(PROBES))
                     for p in PROBES:
                         arena.rollback(p, runner.pool, 0)
@@ -44,7 +45,7 @@ def warmup(arena: KVArena, costs: CostModel, runners: dict[str, list[ModelRunner
                 verifies = [n for n in sizes["main"] if n <= EXACT]
                 for measure in (False, True):  # a solo session's first runs allocate
                     for runner in runners["main"]:
-                        _sizes(arena, runner, verifies, True, record=measure)
+                        _sizes(arena, runner, verifies, record=measure)
     finally:
         for seq_id in (PROBE, *PROBES):
             arena.release(seq_id)
@@ -52,9 +53,8 @@ def warmup(arena: KVArena, costs: CostModel, runners: dict[str, list[ModelRunner
             "main_ms": {n: round(1000 * costs.seconds("main", n), 2) for n in sizes["main"]}}
 
 
-def _sizes(arena: KVArena, runner: ModelRunner, sizes: list[int], scored: bool,
-           record: bool = True) -> None:
-    """One forward of each size from an empty cache, every token scored or the last."""
+def _sizes(arena: KVArena, runner: ModelRunner, sizes: list[int], record: bool = True) -> None:
+    """One forward of each size from an empty cache, its last token scored."""
     for n in sizes:
-        runner.forward([(PROBE, 0, [1] * n)], [n if scored else 1], record=record)
+        runner.forward([(PROBE, 0, [1] * n)], [1], record=record)
         arena.rollback(PROBE, runner.pool, 0)

@@ -14,7 +14,7 @@ from dspark.runtime.bundle.bundle import Bundle
 from dspark.runtime.cache.kv_arena import KVArena
 from dspark.runtime.env import kernel_cache_dir, read_env
 from dspark.runtime.model.batch import FlatBatch, SeqChunk
-from dspark.runtime.model.costs import AFTER_DRAFT, PROMPT, CostModel
+from dspark.runtime.model.costs import CostModel
 from dspark.runtime.model.executor import SegmentedModel
 from dspark.runtime.model.fused import FusedModel
 from dspark.runtime.model.int4_rows import few_rows_chooser, int4_path
@@ -104,8 +104,6 @@ class ModelRunner:
         self.tokens += end
         if self.costs is not None and record:
             role = cost_role or ("main" if self.role == "main" else "draft")
-            if role in ("main", AFTER_DRAFT) and sum(rows) < end:
-                role = PROMPT  # some tokens unscored: not a verify's price (costs.py)
             self.costs.record(role, end, elapsed, len(chunks))
         if not index:
             return [logits[:0]] * len(chunks)
