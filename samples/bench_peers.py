@@ -33,6 +33,9 @@ threads (DSPARK_THREADS for dsrun; @tauto, @tadaptive: DSPARK_THREADS=auto, adap
 beside the same system at the core count, e.g. `--systems dsrun-q4-plain dsrun-q4-plain@t1`.
 --load-from-start starts that load before the systems load and warm up (a steady load,
 what DSPARK_THREADS=auto sees). The report starts with the CPU's model and flags.
+With DSPARK_CPU_ISA=avx2 (dsrun's MatMulInt4 on its AVX2 path) the llama.cpp systems run a
+build for AVX2 without AVX-512 (built on the first such run, peer_setup.py), so both engines
+run the code an AVX2-only CPU would; onnxruntime's dispatch cannot be forced.
 """
 
 from __future__ import annotations
@@ -222,6 +225,9 @@ def cpu_line() -> str:
     forced = f"; dsrun's MatMulInt4 forced to its {env.cpu_isa} path" if env.cpu_isa else ""
     if env.cpu_march != "native":
         forced += f"; its attention built for -march={env.cpu_march}"
+    if setup.llama_target() != "native":
+        forced += (f"; llama.cpp built for {setup.llama_target()} without AVX-512; "
+                   "onnxruntime's kernels on their own dispatch (cannot be forced)")
     return line() + forced
 
 
@@ -275,6 +281,8 @@ def main() -> None:
     prompts = prompt_ids(args.prompt_file or prompt_file, tokenizer)
     os.environ["DSPARK_PEER_PROMPTS"] = json.dumps(prompts)
     args.revision = revision()  # what the workers run, before anything can change it
+    if any(s.startswith("llama-") for s in args.systems):
+        setup.setup_llamacpp(setup.llama_target())  # the AVX2 build, on its first forced run
     report = summarise(drive(args, len(prompts)), args)
     print(format_report(report))
     if args.json:

@@ -8,6 +8,8 @@
   default oversubscribes 2 cores);
 - llama.cpp's llama-server and llama-quantize, built with cmake from the source the
   llama-cpp-python sdist vendors (build/llamacpp), the GGUF's own Q4_1 file and an F32 copy;
+  a second build for AVX2 without AVX-512 (build/llamacpp/build-avx2), made by the first run
+  with DSPARK_CPU_ISA=avx2;
 - DSpark bundles beside build/smollm2.dsmodel (make demo): the main on the GGUF's own grid
   (`dsc quantize` of the fp32 main: 4-bit projections with mins, an 8-bit head), drafting by
   lookup and by its own 4-bit copy's first layers is not made here (see the README), and
@@ -37,7 +39,11 @@ BUILDER = ROOT / "samples" / "genai_builder.py"  # genai's builder, Gemma 3's ro
 OPTIMUM_VENV = PEERS / "venv-optimum"  # optimum-onnx pins transformers 4
 OPTIMUM = PEERS / "optimum"  # its export of the SmolLM2 HF folder
 LLAMA = ROOT / "build" / "llamacpp"
-LLAMA_BIN = LLAMA / "build" / "bin"
+# llama.cpp's builds: "native" for this CPU (GGML_NATIVE), "avx2" for a Haswell-level CPU
+# (AVX2, FMA, F16C, BMI2, no AVX-512), what it runs beside dsrun forced to its AVX2 path
+LLAMA_BUILDS = {"native": ["-DGGML_NATIVE=ON"],
+                "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+                         "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"]}
 GGUF = {"q4_1": None, "f32": LLAMA / "SmolLM2-135M-Instruct.F32.gguf"}  # q4_1: the package's
 BUNDLES = {"fp32": ROOT / "build" / "smollm2.dsmodel",
            "q4": ROOT / "build" / "smollm2-q4.dsmodel",
@@ -167,10 +173,22 @@ def set_threads(path: Path, threads: int) -> None:
     path.write_text(json.dumps(config, indent=2))
 
 
-def setup_llamacpp() -> None:
-    """llama-server and llama-quantize from the llama-cpp-python sdist's vendored source,
-    for this CPU (GGML_NATIVE), and the F32 copy of the Q4_1 GGUF."""
-    if not (LLAMA_BIN / "llama-server").exists():
+def llama_target() -> str:
+    """The llama.cpp build a run uses: "avx2" while DSPARK_CPU_ISA forces dsrun's MatMulInt4
+    to its AVX2 path (both engines then run AVX2 code), else "native"."""
+    return "avx2" if os.environ.get("DSPARK_CPU_ISA", "").strip().lower() == "avx2" else "native"
+
+
+def llama_bin(target: str | None = None) -> Path:
+    target = target or llama_target()
+    return LLAMA / ("build" if target == "native" else f"build-{target}") / "bin"
+
+
+def setup_llamacpp(target: str = "native") -> None:
+    """llama-server and llama-quantize from the llama-cpp-python sdist's vendored source, for
+    `target` (LLAMA_BUILDS), and the F32 copy of the Q4_1 GGUF."""
+    bin_dir = llama_bin(target)
+    if not (bin_dir / "llama-server").exists():
         LLAMA.mkdir(parents=True, exist_ok=True)
         sdists = sorted(LLAMA.glob("llama_cpp_python-*.tar.gz"))
         if not sdists:
@@ -181,15 +199,16 @@ def setup_llamacpp() -> None:
         source = LLAMA / sdists[-1].name.removesuffix(".tar.gz") / "vendor" / "llama.cpp"
         if not source.exists():
             run(["tar", "xzf", sdists[-1], "-C", LLAMA])
-        log("building llama-server (cmake, a few minutes) ...")
-        run(["cmake", "-S", source, "-B", LLAMA / "build", "-DGGML_NATIVE=ON",
+        log(f"building llama-server for {target} (cmake, a few minutes) ...")
+        build = bin_dir.parent
+        run(["cmake", "-S", source, "-B", build, *LLAMA_BUILDS[target],
              "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"])
-        run(["cmake", "--build", LLAMA / "build", f"-j{os.cpu_count() or 1}", "--target",
+        run(["cmake", "--build", build, f"-j{os.cpu_count() or 1}", "--target",
              "llama-server", "llama-quantize"])
     if not GGUF["f32"].exists():
         log("writing the F32 GGUF ...")
         tmp = GGUF["f32"].with_suffix(".tmp")
-        run([LLAMA_BIN / "llama-quantize", "--allow-requantize", q41_gguf(), tmp, "F32"],
+        run([bin_dir / "llama-quantize", "--allow-requantize", q41_gguf(), tmp, "F32"],
             capture_output=True)
         tmp.rename(GGUF["f32"])
 

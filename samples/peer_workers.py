@@ -108,7 +108,7 @@ def _free_port() -> int:
 def llama_server(gguf: str, mode: str, threads: int) -> tuple[subprocess.Popen, str]:
     model = setup.GGUF[gguf] or setup.q41_gguf()
     port = _free_port()
-    cmd = [setup.LLAMA_BIN / "llama-server", "-m", model, "--port", str(port), "-t",
+    cmd = [setup.llama_bin() / "llama-server", "-m", model, "--port", str(port), "-t",
            str(threads), "-tb", str(threads), "-c", "4096", "--parallel", "1",
            *LLAMA_MODES[mode]]
     if mode == "draft":

@@ -43,9 +43,10 @@ REPORTS = [
     ("peers_avx2.json", "dsrun on its AVX2 path",
      "DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell python samples/bench_peers.py --repeats 4 "
      "--systems dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default "
-     "--json build/reports/peers_avx2.json",
-     "MatMulInt4 forced to its AVX2 path and the attention built for AVX2 (what an AVX2-only "
-     "CPU runs; onnxruntime's own kernels keep the CPU's best)."),
+     "llama-q4_1-plain llama-q4_1-ngram --json build/reports/peers_avx2.json",
+     "MatMulInt4 forced to its AVX2 path and the attention built for AVX2, beside llama.cpp "
+     "built for AVX2 without AVX-512 on the same Q4_1 weights: what an AVX2-only CPU runs "
+     "(onnxruntime's own kernels, in the fp32 main, keep the CPU's best)."),
     ("peers_loaded_avx2.json", "dsrun on its AVX2 path, one core busy",
      "DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell python samples/bench_peers.py --repeats 2 "
      "--background-load --systems dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain "
