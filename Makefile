@@ -49,6 +49,8 @@ gpu-check:  # the venv's python where there is one, else the machine's own pytho
 
 REPORTS := build/reports
 GEMMA := build/gemma3
+Q4BENCH := --model build/smollm2-q4.dsmodel --prompts samples/prompts/peer_prompts.jsonl \
+    --max-tokens 128 --repeats 4
 # the q4 and fp32 bundles' plain and default modes, and each at DSPARK_THREADS=$(1)
 THREADED = dsrun-q4-plain dsrun-q4-default dsrun-q4-plain@t$(1) dsrun-q4-default@t$(1) \
 	dsrun-fp32-plain dsrun-fp32-default dsrun-fp32-plain@t$(1) dsrun-fp32-default@t$(1)
@@ -69,7 +71,7 @@ benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmark
 	    dsrun-genai4-plain dsrun-genai4-default --json $(REPORTS)/peers_loaded.json
 	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/python samples/bench_peers.py --repeats 4 --systems \
 	    dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default \
-	    --json $(REPORTS)/peers_avx2.json
+	    llama-q4_1-plain llama-q4_1-ngram --json $(REPORTS)/peers_avx2.json
 	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/python samples/bench_peers.py --repeats 2 --background-load \
 	    --systems dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default \
 	    --json $(REPORTS)/peers_loaded_avx2.json
@@ -105,4 +107,10 @@ benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmark
 	$(BIN)/python samples/bench_sustained.py --base bfc16ac > $(REPORTS)/sustained.txt
 	$(BIN)/dsrun bench --model build/gemma3.dsmodel --prompts samples/prompts/base_prompts.jsonl \
 	    --repeats 2 --json > $(REPORTS)/gemma3_bench.json
+	$(BIN)/dsrun bench $(Q4BENCH) --json > $(REPORTS)/q4_bench.json
+	$(BIN)/dsrun bench $(Q4BENCH) --background-load --json > $(REPORTS)/q4_bench_loaded.json
+	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/dsrun bench $(Q4BENCH) \
+	    --json > $(REPORTS)/q4_bench_avx2.json
+	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/dsrun bench $(Q4BENCH) \
+	    --background-load --json > $(REPORTS)/q4_bench_avx2_loaded.json
 	$(BIN)/python samples/report_benchmarks.py

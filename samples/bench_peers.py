@@ -216,19 +216,14 @@ def summarise(runs: dict[str, list[dict]], args) -> dict:
 
 
 def cpu_line() -> str:
-    """The CPU's model and flags, MatMulInt4's path when DSPARK_CPU_ISA forces one, and the
-    attention's -march when DSPARK_CPU_MARCH sets one."""
-    from dspark.runtime.env import read_env
+    """The CPU's model and flags and the paths dsrun is forced to (device.cpu_line), and
+    the llama.cpp build when it is not this CPU's own."""
     from dspark.runtime.model.device import cpu_line as line
 
-    env = read_env()
-    forced = f"; dsrun's MatMulInt4 forced to its {env.cpu_isa} path" if env.cpu_isa else ""
-    if env.cpu_march != "native":
-        forced += f"; its attention built for -march={env.cpu_march}"
-    if setup.llama_target() != "native":
-        forced += (f"; llama.cpp built for {setup.llama_target()} without AVX-512; "
-                   "onnxruntime's kernels on their own dispatch (cannot be forced)")
-    return line() + forced
+    target = setup.llama_target()
+    return line() + ("" if target == "native" else (
+        f"; llama.cpp built for {target} without AVX-512; onnxruntime's kernels on their "
+        "own dispatch (cannot be forced)"))
 
 
 def _x(value: float | None) -> str:

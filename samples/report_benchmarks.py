@@ -16,6 +16,9 @@ import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+Q4_BENCH = ("dsrun bench --model build/smollm2-q4.dsmodel --prompts "
+            "samples/prompts/peer_prompts.jsonl --max-tokens 128 --repeats 4")
+AVX2 = "DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell "  # MatMulInt4 and attention for AVX2
 # (report file, heading, the command that writes it, what the table shows)
 REPORTS = [
     ("peers_greedy.json", "Against onnxruntime-genai and llama.cpp, greedy",
@@ -52,6 +55,23 @@ REPORTS = [
      "--background-load --systems dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain "
      "dsrun-q4-default --json build/reports/peers_loaded_avx2.json",
      "Both at once: the AVX2 path and another process spinning on one core."),
+    ("q4_bench.json", "The int4 main in one process",
+     Q4_BENCH + " --json > build/reports/q4_bench.json",
+     "The q4 bundle (the main on the GGUF's grid, lookup drafting only) on the 12 peer "
+     "prompts, default speculation and plain decoding interleaved per prompt in one process "
+     "(no noise between worker processes): where lookups do not pay, the hybrid decodes "
+     "plainly."),
+    ("q4_bench_loaded.json", "The int4 main in one process, one core busy",
+     Q4_BENCH + " --background-load --json > build/reports/q4_bench_loaded.json",
+     "The same, another process spinning on one core while it measures."),
+    ("q4_bench_avx2.json", "The int4 main in one process, on its AVX2 path",
+     AVX2 + Q4_BENCH + " --json > build/reports/q4_bench_avx2.json",
+     "The same with MatMulInt4 on its AVX2 path, where a verify of several tokens costs the "
+     "most (performance.md)."),
+    ("q4_bench_avx2_loaded.json",
+     "The int4 main in one process, on its AVX2 path, one core busy",
+     AVX2 + Q4_BENCH + " --background-load --json > build/reports/q4_bench_avx2_loaded.json",
+     "Both at once."),
     ("peers_threads_loaded.json", "One thread against two, one core busy",
      "python samples/bench_peers.py --repeats 2 --background-load --systems dsrun-q4-plain "
      "dsrun-q4-default dsrun-q4-plain@t1 dsrun-q4-default@t1 dsrun-fp32-plain "
@@ -165,7 +185,9 @@ TABLES = {"peers_greedy.json": peers_table, "peers_sampled.json": peers_table,
           "peers_threads_adaptive_loaded.json": peers_table,
           "peers_threads_fixed_loaded.json": peers_table,
           "peers_threads_adaptive.json": peers_table,
-          "int4_kernels.json": int4_table, "gemma3_bench.json": bench_table}
+          "int4_kernels.json": int4_table, "gemma3_bench.json": bench_table,
+          "q4_bench.json": bench_table, "q4_bench_loaded.json": bench_table,
+          "q4_bench_avx2.json": bench_table, "q4_bench_avx2_loaded.json": bench_table}
 
 
 def sections(page: str) -> dict[str, list[str]]:

@@ -22,8 +22,12 @@ ISA_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_v
 
 def cpu_line() -> str:
     """'CPU <model>, <cores> cores, flags <the ISA_FLAGS it has>': how every benchmark report
-    starts (users' CPUs differ; a path this one lacks is unmeasured)."""
+    starts (users' CPUs differ; a path this one lacks is unmeasured), then the paths the
+    environment forces (DSPARK_CPU_ISA, DSPARK_CPU_MARCH), which a report measured instead of
+    the CPU's best."""
     import os
+
+    from dspark.runtime.env import read_env
 
     try:
         info = Path("/proc/cpuinfo").read_text()
@@ -34,8 +38,12 @@ def cpu_line() -> str:
     flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines()
                       if ln.startswith(("flags", "Features"))), []))
     have = [f for f in ISA_FLAGS if f in flags]
+    env = read_env()
+    forced = f"; dsrun's MatMulInt4 forced to its {env.cpu_isa} path" if env.cpu_isa else ""
+    if env.cpu_march != "native":
+        forced += f"; its attention built for -march={env.cpu_march}"
     return (f"CPU {model} ({platform.machine()}), {os.cpu_count()} cores, flags "
-            f"{' '.join(have) or 'none of ' + ' '.join(ISA_FLAGS)}")
+            f"{' '.join(have) or 'none of ' + ' '.join(ISA_FLAGS)}{forced}")
 
 
 def cuda_problem() -> str | None:
