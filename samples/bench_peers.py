@@ -206,7 +206,7 @@ def summarise(runs: dict[str, list[dict]], args) -> dict:
                 "vs_best_genai": tps[system] / genai if genai else None,
                 "vs_best_llama": tps[system] / llama if llama else None,
                 "same_as_own_plain": same[system]})
-    return {"cpu": cpu_line(), "revision": args.revision, "max_tokens": args.max_tokens,
+    return {"cpu": cpu_line(args.systems), "revision": args.revision, "max_tokens": args.max_tokens,
             "repeats": args.repeats, "temperature": args.temperature,
             "background_load": args.background_load or args.load_from_start,
             "load_from_start": args.load_from_start,
@@ -215,13 +215,14 @@ def summarise(runs: dict[str, list[dict]], args) -> dict:
                 "tokens": len(x["tokens"])} for x in xs] for s, xs in runs.items()}}
 
 
-def cpu_line() -> str:
+def cpu_line(systems: list[str] = ()) -> str:
     """The CPU's model and flags and the paths dsrun is forced to (device.cpu_line), and
-    the llama.cpp build when it is not this CPU's own."""
+    the llama.cpp build when `systems` run llama.cpp on one not this CPU's own."""
     from dspark.runtime.model.device import cpu_line as line
 
     target = setup.llama_target()
-    return line() + ("" if target == "native" else (
+    llama = any(s.startswith("llama-") for s in systems)
+    return line() + ("" if target == "native" or not llama else (
         f"; llama.cpp built for {target} without AVX-512; onnxruntime's kernels on their "
         "own dispatch (cannot be forced)"))
 

@@ -69,7 +69,7 @@ def main() -> None:
     os.environ["DSPARK_PEER_PROMPTS"] = json.dumps(prompts)
     head = bp.revision()
     runs = bp.drive(args, len(prompts))
-    print(bp.cpu_line())
+    print(bp.cpu_line(args.systems))
     print(f"{head} (new) against {args.base} (old), {args.repeats} repeats, "
           f"temperature {args.temperature}")
     for s in systems:
