@@ -59,8 +59,7 @@ REPORTS = [
      Q4_BENCH + " --json > build/reports/q4_bench.json",
      "The q4 bundle (the main on the GGUF's grid, lookup drafting only) on the 12 peer "
      "prompts, default speculation and plain decoding interleaved per prompt in one process "
-     "(no noise between worker processes): where lookups do not pay, the hybrid decodes "
-     "plainly."),
+     "(no noise between worker processes; single runs still vary by a few percent)."),
     ("q4_bench_loaded.json", "The int4 main in one process, one core busy",
      Q4_BENCH + " --background-load --json > build/reports/q4_bench_loaded.json",
      "The same, another process spinning on one core while it measures."),
