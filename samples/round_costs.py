@@ -10,6 +10,9 @@ verify forward (`StepReport.verify_ms`) and filed by its kind: plain decoding, o
 speculative round's method and drafts verified. Per kind: steps, median step and verify ms,
 and the verify against a plain decode's, beside the cost table's ratio for that size. A
 table ratio far under the measured one means the hybrid prices those verifies too cheaply.
+Per kind of speculative round also the drafts kept, and what its rounds gained against plain
+decoding in decodes: the tokens they emitted (kept drafts and the main's own) less their
+verifies' cost in decodes. A kind whose gain is below zero lost time.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def main() -> None:
     engine, tokenizer = load_engine(args.model)
     chats = {r["name"]: r["chat"] for r in map(json.loads, PROMPTS.read_text().splitlines())}
     steps: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
+    kept: dict[tuple[str, int], int] = defaultdict(int)
     for name in args.prompts:
         ids = tuple(tokenizer.encode_chat([{"role": "user", "content": chats[name]}]))
         for _ in range(args.repeats):
@@ -50,6 +54,7 @@ def main() -> None:
                     if report.rounds:
                         r = report.rounds[0]
                         steps[(f"spec {r.method}", r.drafted)].append((seconds, report.verify_ms))
+                        kept[(f"spec {r.method}", r.drafted)] += r.accepted
                     elif not spec and report.verify_ms is not None:
                         steps[("plain", 0)].append((seconds, report.verify_ms))
     decode = statistics.median(v for _, v in steps[("plain", 0)])
@@ -59,9 +64,13 @@ def main() -> None:
     for (kind, drafted), xs in sorted(steps.items()):
         verify = statistics.median(v for _, v in xs)
         table = engine.costs.seconds("main", drafted + 1) / one
-        print(f"{kind:14s} drafts {drafted}  steps {len(xs):5d}  step "
-              f"{1000 * statistics.median(s for s, _ in xs):6.2f} ms  verify {verify:6.2f} ms"
-              f"  x{verify / decode:.2f} (table x{table:.2f})")
+        line = (f"{kind:14s} drafts {drafted}  steps {len(xs):5d}  step "
+                f"{1000 * statistics.median(s for s, _ in xs):6.2f} ms  verify {verify:6.2f} ms"
+                f"  x{verify / decode:.2f} (table x{table:.2f})")
+        if drafted:
+            gain = len(xs) + kept[(kind, drafted)] - sum(v for _, v in xs) / decode
+            line += f"  kept {kept[(kind, drafted)]:4d}  gain {gain:+7.1f} decodes"
+        print(line)
 
 
 if __name__ == "__main__":
