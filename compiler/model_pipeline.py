@@ -29,7 +29,7 @@ from dspark.compiler.passes.segments import SegmentCut, cut_segments, segment_gr
 from dspark.compiler.passes.select_logits import select_logits_rows
 from dspark.compiler.passes.sink_transpose import sink_head_transposes
 from dspark.compiler.passes.span import exposed_types, find_spans
-from dspark.compiler.passes.tied_head import share_tied_head
+from dspark.compiler.passes.tied_head import share_quantized_tied_head, share_tied_head
 from dspark.compiler.passes.verify_layout import token_major_verify
 from dspark.compiler.passes.verify_nodes import (
     LayerGeometry,
@@ -140,7 +140,7 @@ def rewrite(graph: gs.Graph, contract: InputContract, role: str, progress: Progr
         counts["verify_token_major"] = token_major_verify(graph)
         counts["projections_joined"] = fuse_projections(graph)
     counts["logits_rows_selected"] = select_logits_rows(graph)
-    counts["tied_head_shared"] = share_tied_head(graph)
+    counts["tied_head_shared"] = share_tied_head(graph) or share_quantized_tied_head(graph)
     graph.toposort()
     progress.say(f"{role}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
     return Rewritten(geometry, windows, analysis.vocab_size, counts)
