@@ -331,3 +331,19 @@ def test_a_lookup_cut_before_its_verify_still_calibrates(held):
     calibration = hybrid.chooser.state(seq.id).calibration["lookup"]
     assert (calibration > 1.0) if held else (calibration < 1.0)
     assert seq.id not in hybrid.shadow
+
+
+def test_a_calibration_above_one_lifts_only_the_first_of_a_lookup_run():
+    """Learned mostly from first drafts, a lookup calibration above 1 once made every later
+    step of a proposal certain (0.85 x 1.3 capped at 1): a 40% first guess priced its 7
+    drafts at 0.52 each. It lifts the first draft only; below 1 it lowers every step; a
+    draft model's calibration applies to each of its drafts."""
+    chooser = SourceChooser(DraftingConfig(), _costs())
+    chooser.state(1).calibration.update(lookup=1.3, draft=1.1)
+    assert chooser.survivals(1, ["lookup"] * 3, [0.4, 0.85, 0.85]) == pytest.approx(
+        [0.52, 0.52 * 0.85, 0.52 * 0.85 ** 2])
+    assert chooser.survivals(1, ["draft"] * 2, [0.8, 0.8]) == pytest.approx([0.88, 0.88 ** 2])
+    assert chooser.survivals(1, ["draft", "lookup"], [0.8, 0.5]) == pytest.approx(
+        [0.88, 0.88 * 0.65])  # a lookup after a model draft is a run's first
+    chooser.state(1).calibration["lookup"] = 0.5
+    assert chooser.survivals(1, ["lookup"] * 2, [0.4, 0.8]) == pytest.approx([0.2, 0.08])
