@@ -7,7 +7,18 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# The checkout's own folders are packages named as they map into dspark (compiler, runtime,
+# kernels, templates). With the checkout's root on sys.path (`python -m pytest` puts the
+# working directory first), `import kernels` finds ours instead of Hugging Face's `kernels`,
+# which transformers 5.25 requires and imports: every fixture export failed. So the root
+# leaves sys.path before anything imports transformers, and child Pythons (tests run
+# `python -m dspark...` and scripts from the root) do not prepend their working directory.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"
+
+import torch  # noqa: E402
 
 # Without a GPU the DSpark Triton kernels run on CPU tensors under Triton's interpreter, which
 # must be chosen before Triton is first imported (its own library functions are decorated
