@@ -135,24 +135,27 @@ def inspect_cmd(bundle: Path, as_json: bool) -> None:
 @click.option("--main", "main", type=PathArg, required=True, help="the main ONNX model")
 @click.option("--draft", "draft", type=PathArg, help="the draft ONNX model (if the bundle has one)")
 @click.option("--tolerance", type=click.FloatRange(min=0), default=1e-3, show_default=True,
-              help="max abs logits difference allowed")
+              help="logits difference allowed beyond --rtol times the logit")
+@click.option("--rtol", type=click.FloatRange(min=0), default=1e-5, show_default=True,
+              help="difference allowed per unit of the original's |logit|")
 @click.option("--seqs", type=click.IntRange(1, 64), default=3, show_default=True)
 @click.option("--steps", type=click.IntRange(1, 64), default=4, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def verify_cmd(bundle: Path, main: Path, draft: Path | None, tolerance: float, seqs: int,
-               steps: int, seed: int, as_json: bool) -> int:
-    """Run the originals and the bundle side by side; exit 1 if logits differ > tolerance."""
+def verify_cmd(bundle: Path, main: Path, draft: Path | None, tolerance: float, rtol: float,
+               seqs: int, steps: int, seed: int, as_json: bool) -> int:
+    """Run the originals and the bundle side by side; exit 1 if a logit differs by more than
+    tolerance + rtol * |the original's logit|."""
     from dspark.compiler.verify import verify_model
 
     b = open_bundle(bundle)
     if (draft is None) != ("draft" not in b.models):
         raise click.UsageError("--draft is needed exactly when the bundle has a draft model")
-    reports = [verify_model(b, role, path, seqs, steps, seed)
+    reports = [verify_model(b, role, path, seqs, steps, seed, rtol)
                for role, path in zip(ROLES, (main, draft)) if path is not None]
     ok = all(r.ok(tolerance) for r in reports)
     if as_json:
-        click.echo(json.dumps({"ok": ok, "tolerance": tolerance, "models": [
+        click.echo(json.dumps({"ok": ok, "tolerance": tolerance, "rtol": rtol, "models": [
             {**asdict(r), "limit": r.limit(tolerance), "ok": r.ok(tolerance)} for r in reports]},
             indent=2))
     else:
@@ -167,10 +170,13 @@ def _verdict_line(r, tolerance: float) -> str:
             f"{r.argmax_agree:.1%}, "
             f"original's own chunking noise {r.noise_floor:.3g}: ")
     if not r.ok(tolerance):
-        return line + f"FAIL (limit {r.limit(tolerance):.3g})"
-    if r.max_abs_diff > tolerance:
+        return line + (f"FAIL ({r.beyond_rtol:.3g} beyond {r.rtol:.2g} x |logit|, limit "
+                       f"{r.limit(tolerance):.3g})")
+    if r.beyond_rtol > tolerance:
         return line + (f"ok within {r.limit(tolerance):.3g}, the model's own noise "
                        "(not shape-deterministic, e.g. int8-activation MatMulNBits)")
+    if r.max_abs_diff > tolerance:
+        return line + f"ok within {tolerance:.3g} + {r.rtol:.2g} x |logit|"
     return line + "ok"
 
 

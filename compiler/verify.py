@@ -41,6 +41,7 @@ from dspark.runtime.model.executor import SegmentedModel
 from dspark.runtime.model.sessions import make_session
 
 NOISE_FACTOR = 4.0
+RTOL = 1e-5  # numpy's allclose default: a few float32 roundings of the logit's size
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,14 @@ class VerifyReport:
     argmax_agree: float  # fraction of tokens whose top-1 matches
     noise_floor: float  # the original's own difference between chunkings of the same tokens
     longest: int = 0  # the longest sequence checked (positions)
+    rtol: float = RTOL
+    beyond_rtol: float = 0.0  # max over logits of |diff| - rtol * |original's logit|
 
     def limit(self, tolerance: float) -> float:
         return max(tolerance, NOISE_FACTOR * self.noise_floor)
 
     def ok(self, tolerance: float) -> bool:
-        return self.max_abs_diff <= self.limit(tolerance)
+        return self.beyond_rtol <= self.limit(tolerance)
 
 
 def _check_matches(bundle: Bundle, role: str, original: OriginalModel, path: Path) -> None:
@@ -96,7 +99,7 @@ def chunk_plans(spec: ModelSpec, rng: np.random.Generator, seqs: int, steps: int
 
 
 def verify_model(bundle: Bundle, role: str, path: Path, seqs: int = 3, steps: int = 4,
-                 seed: int = 0) -> VerifyReport:
+                 seed: int = 0, rtol: float = RTOL) -> VerifyReport:
     rng = np.random.default_rng(seed)
     path = model_file(path)
     original = OriginalModel(path)
@@ -108,7 +111,7 @@ def verify_model(bundle: Bundle, role: str, path: Path, seqs: int = 3, steps: in
     pasts, starts = [original.empty_past() for _ in plans], [0] * len(plans)
     history: list[list[int]] = [[] for _ in plans]
     stepwise: list[list[np.ndarray]] = [[] for _ in plans]
-    worst, tokens, agree = 0.0, 0, 0
+    worst, beyond, tokens, agree = 0.0, 0.0, 0, 0
     for k in range(max(len(p) for p in plans)):
         live = [i for i, p in enumerate(plans) if k < len(p)]
         new = {i: [int(t) for t in rng.integers(0, spec.vocab_size, plans[i][k])] for i in live}
@@ -120,14 +123,16 @@ def verify_model(bundle: Bundle, role: str, path: Path, seqs: int = 3, steps: in
             history[i] += new[i]
             if i < seqs:
                 stepwise[i].append(ref)
-            worst = max(worst, float(np.abs(got[a:b] - ref).max()))
+            diff = np.abs(got[a:b] - ref)
+            worst = max(worst, float(diff.max()))
+            beyond = max(beyond, float((diff - rtol * np.abs(ref)).max()))
             agree += int((got[a:b].argmax(-1) == ref.argmax(-1)).sum())
             tokens += b - a
             starts[i] += b - a
     noise = max(_chunking_noise(original, history[i], stepwise[i]) for i in range(seqs))
     noise = max(noise, _rounding_noise(path, original, history[:seqs]))
     return VerifyReport(role, worst, tokens, steps, agree / tokens, noise,
-                        max(sum(p) for p in plans))
+                        max(sum(p) for p in plans), rtol, max(0.0, beyond))
 
 
 def _rounding_noise(path: Path, original: OriginalModel, histories: list[list[int]]) -> float:
