@@ -31,6 +31,8 @@ peers); "same" compares each speculative mode's greedy tokens with its own plain
 must never lose to plain then either). A system name may end in @tN: that worker runs with N
 threads (DSPARK_THREADS for dsrun; @tauto, @tadaptive: DSPARK_THREADS=auto, adaptive),
 beside the same system at the core count, e.g. `--systems dsrun-q4-plain dsrun-q4-plain@t1`.
+A name may also end in #N: another process of the same system (an A/A check: how far two
+processes of one system differ in one run), its own plain mode the plain of the same #N.
 --load-from-start starts that load before the systems load and warm up (a steady load,
 what DSPARK_THREADS=auto sees). The report starts with the CPU's model and flags.
 With DSPARK_CPU_ISA=avx2 (dsrun's MatMulInt4 on its AVX2 path) the llama.cpp systems run a
@@ -77,9 +79,9 @@ def prompt_ids(path: Path, bundle: str = "fp32") -> list[dict]:
 
 
 def split_threads(system: str) -> tuple[str, str | None]:
-    """(the system without its @tN suffix, N: a count or "auto" (dsrun's DSPARK_THREADS),
-    None without a suffix)."""
-    name, _, threads = system.partition("@t")
+    """(the system without its @tN and #N suffixes, N: a count or "auto" (dsrun's
+    DSPARK_THREADS), None without a suffix)."""
+    name, _, threads = system.partition("#")[0].partition("@t")
     return name, threads or None
 
 
@@ -166,7 +168,9 @@ def ratio_interval(runs: list[dict], base: list[dict], draws: int = 2000, seed: 
 
 def _plain_of(system: str) -> str:
     name, threads = split_threads(system)
-    return name.rsplit("-", 1)[0] + "-plain" + (f"@t{threads}" if threads else "")
+    replica = system.partition("#")[2]
+    return (name.rsplit("-", 1)[0] + "-plain" + (f"@t{threads}" if threads else "")
+            + (f"#{replica}" if replica else ""))
 
 
 def _lossless(system: str, same: bool | None) -> bool:
