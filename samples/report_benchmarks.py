@@ -35,9 +35,11 @@ REPORTS = [
     ("peers_loaded.json", "With one core busy with other work",
      "python samples/bench_peers.py --repeats 2 --background-load --systems dsrun-fp32-plain "
      "dsrun-fp32-default dsrun-q4-plain dsrun-q4-default dsrun-genai4-plain dsrun-genai4-default "
-     "--json build/reports/peers_loaded.json",
+     "dsrun-q4-plain#2 dsrun-q4-default#2 --json build/reports/peers_loaded.json",
      "Another process spins on one of the two cores for the whole run: speculation must not "
-     "lose to plain decoding then either."),
+     "lose to plain decoding then either. `#2`: a second process of the same system, beside "
+     "the first: two processes of one system differ by several percent under such a load, "
+     "which bounds what one pair's ratio can show."),
     ("int4_kernels.json", "MatMulInt4's paths against onnxruntime's MatMulNBits",
      "python samples/bench_int4.py --json build/reports/int4_kernels.json",
      "Microseconds per projection of SmolLM2's shapes (median of interleaved runs), each "
@@ -53,8 +55,10 @@ REPORTS = [
     ("peers_loaded_avx2.json", "dsrun on its AVX2 path, one core busy",
      "DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell python samples/bench_peers.py --repeats 2 "
      "--background-load --systems dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain "
-     "dsrun-q4-default --json build/reports/peers_loaded_avx2.json",
-     "Both at once: the AVX2 path and another process spinning on one core."),
+     "dsrun-q4-default dsrun-q4-plain#2 dsrun-q4-default#2 "
+     "--json build/reports/peers_loaded_avx2.json",
+     "Both at once: the AVX2 path and another process spinning on one core (`#2`: a second "
+     "process of the same system)."),
     ("q4_bench.json", "The int4 main in one process",
      Q4_BENCH + " --json > build/reports/q4_bench.json",
      "The q4 bundle (the main on the GGUF's grid, lookup drafting only) on the 12 peer "
