@@ -139,8 +139,9 @@ def _rounding_noise(path: Path, original: OriginalModel, histories: list[list[in
     """How far accuracy level 4 (a MatMulNBits' leave to quantize its inputs to int8) moves
     the original's logits, on the verified tokens: the original against itself with float
     inputs (accuracy level 0), and against itself with its projections as the runtime runs
-    them (MatMulInt4, int8 inputs, where this CPU has a vector path; onnxruntime keeps float
-    zero points in float32). 0 without such ops."""
+    them (MatMulInt4 where this CPU has a vector path, else float zero points split onto
+    onnxruntime's symmetric kernel: int8 inputs both; onnxruntime runs float zero points
+    themselves in float32). 0 without such ops."""
     model = onnx.load(str(path))
     rounding = [a for n in model.graph.node if n.op_type == "MatMulNBits"
                 for a in n.attribute if a.name == "accuracy_level" and a.i == 4]
@@ -156,22 +157,25 @@ def _rounding_noise(path: Path, original: OriginalModel, histories: list[list[in
 
 
 def _int8_sessions(path: Path, model: onnx.ModelProto) -> list:
-    """The original with its projections as MatMulInt4 on this CPU's best vector path (the
-    runtime's arithmetic), when it has one."""
+    """The original with its projections as the runtime runs them: MatMulInt4 on this CPU's
+    best vector path when it has one, else float zero points split onto onnxruntime's
+    symmetric kernel (runtime/model/zero_points.py; both round the inputs to int8)."""
     from dspark.kernels.cpu_op import ISA_PATHS, int4_paths, op_library
     from dspark.runtime.env import kernel_cache_dir, read_env
     from dspark.runtime.model.int4_rows import int4_path, rewrite_int4
+    from dspark.runtime.model.zero_points import split_float_zero_points
 
     env = read_env()
     library = op_library(kernel_cache_dir(), env.cc).path
     isa = int4_path(int4_paths(library), env.cpu_int4, env.cpu_isa) if library else None
-    if isa is None:
-        return []
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
-    if not rewrite_int4(copy, path.parent, env.threads, ISA_PATHS.index(isa)):
+    rewritten = (rewrite_int4(copy, path.parent, env.threads, ISA_PATHS.index(isa))
+                 if isa is not None else 0)
+    rewritten += split_float_zero_points(copy, path.parent)
+    if not rewritten:
         return []
-    return [make_session(copy.SerializeToString(), custom_ops=library)]
+    return [make_session(copy.SerializeToString(), custom_ops=library if isa else None)]
 
 
 def _chunking_noise(original: OriginalModel, tokens: list[int], steps: list[np.ndarray]

@@ -5,11 +5,12 @@
 
 Per projection shape of the model (SmolLM2: qkv 576x960, o 576x576, gate/up 576x3072, down
 1536x576, the 8-bit head 576x49152), blocks of 32 at accuracy level 4 (int8 inputs):
-onnxruntime's MatMulNBits with each zero-point form (symmetric, uint8, float: dsc quantize's)
-and MatMulInt4 on every path the CPU has (kernels/cpu_int4*.c; generic: the plain loops), all
-on the process-wide pool dsrun uses with its thread count, interleaved (each round runs every
-variant once, in a rotated order), median microseconds and the ratio to onnxruntime's
-symmetric kernel. The weights are large enough to come from memory, as in a decode step.
+onnxruntime's MatMulNBits with each zero-point form (symmetric, uint8, float: dsc quantize's;
+"float zp split": the symmetric kernel plus the zero points' share, what the runtime runs
+without MatMulInt4, runtime/model/zero_points.py) and MatMulInt4 on every path the CPU has
+(kernels/cpu_int4*.c; generic: the plain loops), all on the process-wide pool dsrun uses
+with its thread count, interleaved (each round runs every variant once, in a rotated order),
+median microseconds and the ratio to onnxruntime's symmetric kernel. The weights are large enough to come from memory, as in a decode step.
 With --against, every path of REV's MatMulInt4 (its kernels built from a worktree, as
 bench_revisions.py checks revisions out) runs in the same rounds, "@REV" after its name.
 """
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnx
 from onnx import TensorProto, helper, numpy_helper
 from revision import revision
 
@@ -34,6 +36,7 @@ from dspark.runtime.env import kernel_cache_dir, read_env
 from dspark.runtime.model.device import cpu_line
 from dspark.runtime.model.int4_rows import block_mins, pack_groups
 from dspark.runtime.model.sessions import init_threads, make_session
+from dspark.runtime.model.zero_points import split_float_zero_points
 
 SHAPES = {"smollm2": [("qkv", 576, 960, 4), ("o", 576, 576, 4), ("gate_up", 576, 3072, 4),
                       ("down", 1536, 576, 4), ("head", 576, 49152, 8)],
@@ -85,6 +88,10 @@ def variants(k: int, n: int, bits: int, library, threads: int,
         node = helper.make_node("MatMulNBits", inputs, ["y"], domain="com.microsoft", K=k,
                                 N=n, bits=bits, block_size=32, accuracy_level=4)
         out[f"MatMulNBits {name}"] = make_session(_model(node, k, inits))
+        if name == "float zp":  # what the runtime runs without MatMulInt4 (zero_points.py)
+            model = onnx.load_from_string(_model(node, k, inits))
+            split_float_zero_points(model, Path("."))
+            out["MatMulNBits float zp split"] = make_session(model.SerializeToString())
     mins = block_mins(zero["float zp"] if bits == 4 else None, scales, bits, n, k // 32)
     packed = numpy_helper.from_array(pack_groups(b, scales, k, n, bits, mins), "w")
     for suffix, lib in {"": library, **{f" @{rev}": p for rev, p in others.items()}}.items():

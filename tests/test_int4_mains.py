@@ -95,3 +95,33 @@ def test_low_bit_main_generates_its_own_greedy_tokens(low_bit, name):
         assert got == plain, (speculative, window)  # speculation never changes the output
     for p, g, r in zip(prompts, plain, refs):
         first_fork(g, r, p, original, set(), "length", tie=max(noise, 1e-4))
+
+
+def test_without_matmulint4_float_zero_points_run_split_and_generate_their_tokens(
+        low_bit, monkeypatch):
+    """DSPARK_CPU_INT4=0 (as on a CPU without MatMulInt4's paths): dsc quantize's float zero
+    points reach onnxruntime as its symmetric kernel plus their share (zero_points.py), not
+    as its float32 float-zero-point kernel, and the main still generates its own tokens."""
+    from dspark.runtime.model.fused import fused_graph
+
+    monkeypatch.setenv("DSPARK_CPU_INT4", "0")
+    bundle_path, path = low_bit["min4"]
+    bundle, original = open_bundle(bundle_path), OriginalModel(path)
+    spec = bundle.model("main")
+    model = onnx.load_from_string(fused_graph(bundle, "main", (spec.num_kv_heads, 16,
+                                                               spec.head_dim))[0])
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert nbits and all(len([i for i in n.input if i]) == 3 for n in nbits)
+    assert sum(n.name.endswith("/add_shift") for n in model.graph.node) == len(nbits) - 1
+    engine = Engine(bundle, "fixed", 4, max_batch=4)
+    assert engine.main.model.int4_projections == 0
+    noise = verify_model(bundle, "main", path, seqs=3, steps=3).noise_floor
+    rng = np.random.default_rng(12)
+    prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in (2, 7, 19)]
+    outputs = [[s.generated for s in Engine(bundle, "fixed", 4, max_batch=4).generate(
+        [GenerationRequest(tuple(p), 32, speculative=spec_on, method="hybrid")
+         for p in prompts])] for spec_on in (False, True)]
+    assert outputs[0] == outputs[1]
+    for p, g in zip(prompts, outputs[0]):
+        first_fork(g, original.greedy(p, 32), p, original, set(), "length",
+                   tie=max(noise, 1e-4))

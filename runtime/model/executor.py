@@ -19,7 +19,8 @@ from dspark.runtime.bundle.bundle import Bundle
 from dspark.runtime.bundle.spec import INPUT_IDS, LOGITS, LOGITS_INDEX, POSITION_IDS, VerifyOp
 from dspark.runtime.model.batch import FlatBatch
 from dspark.runtime.model.layout import attend_rows
-from dspark.runtime.model.sessions import make_session
+from dspark.runtime.model.sessions import EXTERNAL_FOLDER, make_session
+from dspark.runtime.model.zero_points import fast_zero_points
 
 _ORT_INT = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
 
@@ -44,13 +45,22 @@ class StepClock(Protocol):
     def lap(self, kind: str) -> None: ...
 
 
+def segment_session(path, profile_prefix: str | None = None):
+    """A segment's session; float zero points in the form onnxruntime runs fast."""
+    model = fast_zero_points(path)
+    if model is None:
+        return make_session(path, profile_prefix=profile_prefix)
+    return make_session(model, profile_prefix=profile_prefix,
+                        config={EXTERNAL_FOLDER: str(path.parent)})
+
+
 class SegmentedModel:
     def __init__(self, bundle: Bundle, role: str, attention: AttentionBackend,
                  profile_prefix: str | None = None):
         """`profile_prefix`: sessions write onnxruntime profiles there (dsrun bench --profile)."""
         self.spec = bundle.model(role)
         self.attention = attention
-        self.sessions = [make_session(bundle.path(s.file), profile_prefix=profile_prefix)
+        self.sessions = [segment_session(bundle.path(s.file), profile_prefix)
                          for s in self.spec.segments]
         self.ops_after: dict[int, list[VerifyOp]] = defaultdict(list)
         for op in self.spec.verify_ops:

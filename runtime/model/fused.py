@@ -30,10 +30,10 @@ from dspark.runtime.model.executor import StepClock, id_input_types
 from dspark.runtime.model.int4_rows import rewrite_int4
 from dspark.runtime.model.load_gate import shared_gate
 from dspark.runtime.model.row_ops import rewrite_rows
-from dspark.runtime.model.sessions import make_session
+from dspark.runtime.model.sessions import EXTERNAL_FOLDER, make_session
+from dspark.runtime.model.zero_points import split_float_zero_points
 
 TABLES, STARTS, QOFFS, NEWS = "dspark_tables", "dspark_starts", "dspark_qoffs", "dspark_news"
-EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
 
 
 def pool_inputs(layer: int) -> tuple[str, str]:
@@ -75,8 +75,10 @@ def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int],
         graph.input.append(helper.make_tensor_value_info(name, i64, ["seqs"]))
     if read_env().cpu_rows:
         rewrite_rows(model, bundle.path(spec.graph_file).parent)
-    rewritten = (rewrite_int4(model, bundle.path(spec.graph_file).parent, read_env().threads,
-                              ISA_PATHS.index(int4_path), few_rows) if int4_path else 0)
+    folder = bundle.path(spec.graph_file).parent
+    rewritten = (rewrite_int4(model, folder, read_env().threads, ISA_PATHS.index(int4_path),
+                              few_rows) if int4_path else 0)
+    split_float_zero_points(model, folder)  # those MatMulInt4 did not take
     return model.SerializeToString(), rewritten
 
 

@@ -43,6 +43,9 @@ def init_threads() -> bool:
     return True
 
 
+# where a session made from a serialized model finds its weights' external files
+EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
+
 def make_session(path: str | Path | bytes, level: str = "all", optimized_path: Path | None = None,
                  config: dict[str, str] | None = None, providers: list | None = None,
                  profile_prefix: str | None = None, custom_ops: Path | None = None,
