@@ -59,6 +59,14 @@ REPORTS = [
      "--json build/reports/peers_loaded_avx2.json",
      "Both at once: the AVX2 path and another process spinning on one core (`#2`: a second "
      "process of the same system)."),
+    ("peers_int4off.json", "Without MatMulInt4: onnxruntime's kernels",
+     "DSPARK_CPU_INT4=0 python samples/bench_peers.py --repeats 2 --systems dsrun-fp32-plain "
+     "dsrun-fp32-default dsrun-q4-plain dsrun-q4-default llama-q4_1-plain "
+     "--json build/reports/peers_int4off.json",
+     "What a CPU without MatMulInt4's vector paths (or without a C compiler) runs: the int4 "
+     "projections on onnxruntime's MatMulNBits, dsc quantize's float zero points split onto "
+     "its symmetric kernel (runtime/model/zero_points.py); the fp32 sample's draft and the q4 "
+     "main both. onnxruntime's own kernels keep this CPU's best path."),
     ("q4_bench.json", "The int4 main in one process",
      Q4_BENCH + " --json > build/reports/q4_bench.json",
      "The q4 bundle (the main on the GGUF's grid, lookup drafting only) on the 12 peer "
@@ -182,7 +190,8 @@ def bench_table(report: dict) -> list[str]:
 
 TABLES = {"peers_greedy.json": peers_table, "peers_sampled.json": peers_table,
           "peers_loaded.json": peers_table, "peers_avx2.json": peers_table,
-          "peers_loaded_avx2.json": peers_table, "peers_gemma3.json": peers_table,
+          "peers_loaded_avx2.json": peers_table, "peers_int4off.json": peers_table,
+          "peers_gemma3.json": peers_table,
           "peers_optimum.json": peers_table, "peers_threads_loaded.json": peers_table,
           "peers_threads.json": peers_table, "peers_threads_auto.json": peers_table,
           "peers_threads_adaptive_loaded.json": peers_table,
