@@ -168,7 +168,7 @@ def _verdict_line(r, tolerance: float) -> str:
     line = (f"{r.role:<5} max |logits diff| {r.max_abs_diff:.3g} over {r.tokens} tokens "
             f"({r.steps} steps after prefill, up to {r.longest} positions), top-1 agree "
             f"{r.argmax_agree:.1%}, "
-            f"original's own chunking noise {r.noise_floor:.3g}: ")
+            f"original's own noise {r.noise_floor:.3g}: ")
     if not r.ok(tolerance):
         return line + (f"FAIL ({r.beyond_rtol:.3g} beyond {r.rtol:.2g} x |logit|, limit "
                        f"{r.limit(tolerance):.3g})")

@@ -1,6 +1,6 @@
 """Float zero points in the form onnxruntime runs fast: a MatMulNBits with a float zero point
-per block becomes the symmetric MatMulNBits plus the zero points' share, the same function
-(runtime/model/zero_points.py)."""
+per block becomes one with the zero points rounded to uint8 plus what the rounding moved,
+the same function (runtime/model/zero_points.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def _model(bits: int, accuracy: int, zp_dtype=np.float32, share_input: bool = Tr
     for j in range(2):
         codes = rng.integers(0, 256, (N, blocks, BLOCK * bits // 8), dtype=np.uint8)
         scales = (rng.random(N * blocks) * 0.02 + 0.001).astype(np.float32)
-        zp = (rng.random(N * blocks) * (2 ** bits - 1)).astype(zp_dtype)
+        # some beyond the codes' range (a block all above or all below zero)
+        zp = (rng.random(N * blocks) * (2 ** bits + 3) - 2).astype(zp_dtype)
         inits += [numpy_helper.from_array(codes, f"B{j}"), numpy_helper.from_array(scales, f"S{j}"),
                   numpy_helper.from_array(zp, f"Z{j}")]
         x = "x" if share_input or j == 0 else "x2"
@@ -52,8 +53,9 @@ def test_the_split_computes_the_same_function(share_input):
     assert split_float_zero_points(model, ".") == 2
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("MatMulNBits") == 2
-    assert all(len([i for i in n.input if i]) == 3 for n in model.graph.node
-               if n.op_type == "MatMulNBits")  # no zero points left
+    inits = {t.name: t for t in model.graph.initializer}
+    zps = [inits[n.input[3]] for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert all(t.data_type == TensorProto.UINT8 for t in zps)  # no float zero points left
     assert not {t.name for t in model.graph.initializer} & {"Z0", "Z1"}
     assert ops.count("MatMul") == (3 if share_input else 4)  # block sums shared per input
     for a, b in zip(before, _run(model, x)):
