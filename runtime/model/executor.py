@@ -45,9 +45,10 @@ class StepClock(Protocol):
     def lap(self, kind: str) -> None: ...
 
 
-def segment_session(path, profile_prefix: str | None = None):
-    """A segment's session; float zero points in the form onnxruntime runs fast."""
-    model = fast_zero_points(path)
+def segment_session(path, profile_prefix: str | None = None, split_zero_points: bool = True):
+    """A segment's session; float zero points in the form onnxruntime runs fast unless
+    `split_zero_points` is False (as compiled: `dsc verify`)."""
+    model = fast_zero_points(path) if split_zero_points else None
     if model is None:
         return make_session(path, profile_prefix=profile_prefix)
     return make_session(model, profile_prefix=profile_prefix,
@@ -56,11 +57,13 @@ def segment_session(path, profile_prefix: str | None = None):
 
 class SegmentedModel:
     def __init__(self, bundle: Bundle, role: str, attention: AttentionBackend,
-                 profile_prefix: str | None = None):
-        """`profile_prefix`: sessions write onnxruntime profiles there (dsrun bench --profile)."""
+                 profile_prefix: str | None = None, split_zero_points: bool = True):
+        """`profile_prefix`: sessions write onnxruntime profiles there (dsrun bench --profile);
+        `split_zero_points`: float zero points as onnxruntime runs them fast (zero_points.py;
+        False: as compiled)."""
         self.spec = bundle.model(role)
         self.attention = attention
-        self.sessions = [segment_session(bundle.path(s.file), profile_prefix)
+        self.sessions = [segment_session(bundle.path(s.file), profile_prefix, split_zero_points)
                          for s in self.spec.segments]
         self.ops_after: dict[int, list[VerifyOp]] = defaultdict(list)
         for op in self.spec.verify_ops:
