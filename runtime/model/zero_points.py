@@ -2,7 +2,7 @@
 
 `dsc quantize` keeps a GGUF's Q4_1 blocks exactly: weight = scale * code + min, which
 MatMulNBits holds as a float zero point per block (zp = -min / scale). onnxruntime has no
-fast kernel for float zero points: it runs them in float32, 15-26x a symmetric MatMulNBits
+fast kernel for float zero points: it runs them in float32, 7-31x a symmetric MatMulNBits
 per projection (docs/benchmarks.md). MatMulInt4 takes the mins itself (int4_rows.py), but
 where it does not run (a CPU without its vector paths, DSPARK_CPU_INT4=0, no C compiler, or
 scales float16 cannot hold) each such MatMulNBits becomes one with uint8 zero points, each
