@@ -68,13 +68,25 @@ benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmark
 	    --json $(REPORTS)/peers_sampled.json
 	$(BIN)/python samples/bench_peers.py --repeats 2 --background-load --systems \
 	    dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default \
-	    dsrun-genai4-plain dsrun-genai4-default --json $(REPORTS)/peers_loaded.json
+	    dsrun-genai4-plain dsrun-genai4-default dsrun-q4-plain#2 dsrun-q4-default#2 \
+	    --json $(REPORTS)/peers_loaded.json
+	$(BIN)/python samples/bench_peers.py --repeats 2 --background-load --one-process --systems \
+	    dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default \
+	    dsrun-genai4-plain dsrun-genai4-default dsrun-q4-plain#2 dsrun-q4-default#2 \
+	    --json $(REPORTS)/peers_loaded_one.json
 	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/python samples/bench_peers.py --repeats 4 --systems \
 	    dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default \
 	    llama-q4_1-plain llama-q4_1-ngram --json $(REPORTS)/peers_avx2.json
 	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/python samples/bench_peers.py --repeats 2 --background-load \
 	    --systems dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default \
-	    --json $(REPORTS)/peers_loaded_avx2.json
+	    dsrun-q4-plain#2 dsrun-q4-default#2 --json $(REPORTS)/peers_loaded_avx2.json
+	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/python samples/bench_peers.py --repeats 2 \
+	    --background-load --one-process --systems dsrun-fp32-plain dsrun-fp32-default \
+	    dsrun-q4-plain dsrun-q4-default dsrun-q4-plain#2 dsrun-q4-default#2 \
+	    --json $(REPORTS)/peers_loaded_avx2_one.json
+	DSPARK_CPU_INT4=0 $(BIN)/python samples/bench_peers.py --repeats 2 --systems \
+	    dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default llama-q4_1-plain \
+	    --json $(REPORTS)/peers_int4off.json
 	$(BIN)/python samples/bench_peers.py --repeats 2 --background-load --systems \
 	    $(call THREADED,1) \
 	    --json $(REPORTS)/peers_threads_loaded.json

@@ -10,7 +10,8 @@ onnxruntime's MatMulNBits with each zero-point form (symmetric, uint8, float: ds
 without MatMulInt4, runtime/model/zero_points.py) and MatMulInt4 on every path the CPU has
 (kernels/cpu_int4*.c; generic: the plain loops), all on the process-wide pool dsrun uses
 with its thread count, interleaved (each round runs every variant once, in a rotated order),
-median microseconds and the ratio to onnxruntime's symmetric kernel. The weights are large enough to come from memory, as in a decode step.
+median microseconds and the ratio to onnxruntime's symmetric kernel. The weights are large
+enough to come from memory, as in a decode step.
 With --against, every path of REV's MatMulInt4 (its kernels built from a worktree, as
 bench_revisions.py checks revisions out) runs in the same rounds, "@REV" after its name.
 """

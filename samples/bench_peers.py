@@ -34,7 +34,11 @@ beside the same system at the core count, e.g. `--systems dsrun-q4-plain dsrun-q
 A name may also end in #N: another process of the same system (an A/A check: how far two
 processes of one system differ in one run), its own plain mode the plain of the same #N.
 --load-from-start starts that load before the systems load and warm up (a steady load,
-what DSPARK_THREADS=auto sees). The report starts with the CPU's model and flags.
+what DSPARK_THREADS=auto sees). --one-process serves the modes of one dsrun bundle (same
+threads, same #N) from one process, each request naming its mode, as a server's clients
+turn speculation on and off per request: their ratio then carries no process-to-process
+spread (two processes of one system differed by up to 6% with a core busy). The report
+starts with the CPU's model and flags.
 With DSPARK_CPU_ISA=avx2 (dsrun's MatMulInt4 on its AVX2 path) the llama.cpp systems run a
 build for AVX2 without AVX-512 (built on the first such run, peer_setup.py), so both engines
 run the code an AVX2-only CPU would; onnxruntime's dispatch cannot be forced.
@@ -45,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -108,15 +113,32 @@ def worker_env(system: str, args) -> dict[str, str]:
     return env
 
 
+def process_of(system: str, args) -> tuple[str, str | None]:
+    """(the process that serves `system`, the mode a request line names there or None): with
+    --one-process a dsrun system's mode is replaced by "*" (its bundle's shared process)."""
+    if not (getattr(args, "one_process", False) and system.startswith("dsrun-")):
+        return system, None
+    base = re.split("@t|#", system, maxsplit=1)[0]
+    kind, variant, mode = base.split("-", 2)
+    return f"{kind}-{variant}-*{system[len(base):]}", mode
+
+
 def start(systems: list[str], args) -> dict[str, subprocess.Popen]:
-    workers = {}
+    """One process per process_of key, loaded and warmed up (every mode it serves)."""
+    modes: dict[str, list[str]] = {}
     for system in systems:
-        log(f"starting {system}")
-        workers[system] = subprocess.Popen(worker_cmd(system, args), stdin=subprocess.PIPE,
-                                           stdout=subprocess.PIPE, text=True,
-                                           env=worker_env(system, args))
-        if workers[system].stdout.readline().strip() != "ready":
-            sys.exit(f"{system} failed to start")
+        key, mode = process_of(system, args)
+        modes.setdefault(key, []).append(mode)
+    workers = {}
+    for key, served in modes.items():
+        log(f"starting {key}" + (f" ({', '.join(served)})" if served[0] else ""))
+        cmd = worker_cmd(key, args)
+        if served[0]:
+            cmd[4] = ",".join(served)
+        workers[key] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True, env=worker_env(key, args))
+        if workers[key].stdout.readline().strip() != "ready":
+            sys.exit(f"{key} failed to start")
     return workers
 
 
@@ -134,9 +156,11 @@ def drive(args, count: int) -> dict[str, list[dict]]:
             for i in range(count):
                 k = (r * count + i) % len(args.systems)
                 for system in args.systems[k:] + args.systems[:k]:
-                    workers[system].stdin.write(f"{i} {r * count + i}\n")
-                    workers[system].stdin.flush()
-                    line = workers[system].stdout.readline()
+                    key, mode = process_of(system, args)
+                    worker = workers[key]
+                    worker.stdin.write(f"{i} {r * count + i}" + (f" {mode}\n" if mode else "\n"))
+                    worker.stdin.flush()
+                    line = worker.stdout.readline()
                     if not line:
                         sys.exit(f"{system} died")
                     runs[system].append(json.loads(line))
@@ -214,6 +238,7 @@ def summarise(runs: dict[str, list[dict]], args) -> dict:
             "repeats": args.repeats, "temperature": args.temperature,
             "background_load": args.background_load or args.load_from_start,
             "load_from_start": args.load_from_start,
+            "one_process": getattr(args, "one_process", False),
             "peer_hugepages": args.peer_hugepages, "rows": rows,
             "prompts": {s: [{k: x[k] for k in ("name", "class", "seconds")} | {
                 "tokens": len(x["tokens"])} for x in xs] for s, xs in runs.items()}}
@@ -240,7 +265,9 @@ def format_report(report: dict) -> str:
              f"{report['max_tokens']} new tokens, temperature {report['temperature']}, "
              f"{report['repeats']} repeats, systems interleaved per prompt"
              + (", one core busy with another process" if report["background_load"] else "")
-             + (" (from before the systems started)" if report.get("load_from_start") else ""),
+             + (" (from before the systems started)" if report.get("load_from_start") else "")
+             + ("; each dsrun bundle's modes in one process" if report.get("one_process")
+                else ""),
              f"{'class':<6}{'system':<25}{'tok/s':>7}{'own plain':>11}{'(90%)':>12}"
              f"{'dsrun fp32':>11}{'best genai':>11}{'best llama':>11}  same as own plain"]
     for r in report["rows"]:
@@ -269,6 +296,8 @@ def main() -> None:
     p.add_argument("--load-from-start", action="store_true",
                    help="the same, started before the systems load (a steady load they "
                         "start beside, as DSPARK_THREADS=auto measures it)")
+    p.add_argument("--one-process", action="store_true",
+                   help="serve a dsrun bundle's modes from one process (per-request mode)")
     p.add_argument("--peer-hugepages", action="store_true",
                    help="give the peers glibc's huge-page tunable too (like for like)")
     p.add_argument("--json", type=Path, help="also write the report here")

@@ -5,7 +5,9 @@ line on stdin generates and prints one JSON line: the tokens and the seconds fro
 prompt token in to the last new token out (prefill + decode).
 
     dsrun-<bundle>-<mode>     a DSpark bundle (peer_setup.BUNDLES) in-process; mode plain
-                              (no speculation), default, or a drafting method
+                              (no speculation), default, or a drafting method; or several
+                              modes, comma-separated, one process serving them all (a line
+                              then names its mode: "<prompt index> <seed> <mode>")
     genai-<precision>-<mode>  onnxruntime-genai (its venv), plain or ngram (3-grams, 4 drafts)
     llama-<gguf>-<mode>       llama.cpp's llama-server on a local port; mode plain, draft (the
                               Q4_1 GGUF as draft, 8 tokens) or ngram (ngram-simple, 3-grams,
@@ -23,14 +25,16 @@ import time
 import peer_setup as setup
 
 
-def emit_runs(run, prompts: list[dict], max_tokens: int) -> None:
-    """Serve the driver: a prompt index per stdin line, a JSON result per stdout line."""
-    run(prompts[0]["ids"], 8, 0)  # warm-up: first runs pay allocations
+def emit_runs(run, prompts: list[dict], max_tokens: int, modes: tuple[str, ...] = ()) -> None:
+    """Serve the driver: a prompt index per stdin line, a JSON result per stdout line. With
+    `modes`, run takes a mode too: each is warmed up, and a line names the one it runs."""
+    for mode in modes or [None]:  # warm-up: first runs pay allocations
+        run(prompts[0]["ids"], 8, 0, *([mode] if mode else []))
     print("ready", flush=True)
     for line in sys.stdin:
-        i, seed = (int(x) for x in line.split())
-        p = prompts[i]
-        tokens, seconds, *stats = run(p["ids"], max_tokens, seed)
+        i, seed, *mode = line.split()
+        p = prompts[int(i)]
+        tokens, seconds, *stats = run(p["ids"], max_tokens, int(seed), *mode)
         print(json.dumps({"name": p["name"], "class": p["class"], "tokens": tokens,
                           "seconds": seconds, **(stats[0] if stats else {})}), flush=True)
 
@@ -42,12 +46,13 @@ def dsrun_worker(bundle: str, mode: str, prompts: list[dict], max_tokens: int,
     from dspark.runtime.sequence.sampling import SamplingParams
 
     engine, _ = load_engine(setup.BUNDLES[bundle])
-    spec = mode != "plain"
-    method = None if mode in ("plain", "default") else mode
+    modes = tuple(mode.split(","))
 
-    def run(ids: list[int], n: int, seed: int) -> tuple[list[int], float, dict]:
+    def run(ids: list[int], n: int, seed: int, mode: str = modes[0]
+            ) -> tuple[list[int], float, dict]:
+        method = None if mode in ("plain", "default") else mode
         request = GenerationRequest(tuple(ids), n, SamplingParams(temperature, seed=seed),
-                                    speculative=spec, method=method)
+                                    speculative=mode != "plain", method=method)
         t0 = time.perf_counter()
         [seq] = engine.generate([request])
         seconds = time.perf_counter() - t0
@@ -55,7 +60,7 @@ def dsrun_worker(bundle: str, mode: str, prompts: list[dict], max_tokens: int,
         return seq.generated, seconds, {"stats": seq.stats.summary(), "solo_forwards": solo,
                                         "main_forwards": engine.main.forwards}
 
-    emit_runs(run, prompts, max_tokens)
+    emit_runs(run, prompts, max_tokens, modes if len(modes) > 1 else ())
 
 
 def genai_worker(precision: str, mode: str, prompts: list[dict], max_tokens: int,
