@@ -26,7 +26,8 @@ template and fed as ids to all of them. tok/s = new tokens / (prefill + decode) 
 a class's prompts and repeats. Ratios: to dsrun-fp32-plain, to the fastest onnxruntime-genai
 mode and the fastest lossless llama.cpp mode (greedy: its tokens equal its plain mode's) of
 the same weights (fp32 systems against the fp32/F32 peers, int4 ones against the int4/Q4_1
-peers); "same" compares each speculative mode's greedy tokens with its own plain mode's.
+peers); the ratio to a system's own plain mode comes with a 90% bootstrap interval over the
+paired calls; "same" compares each speculative mode's greedy tokens with its own plain mode's.
 --background-load keeps one core busy with another process for the whole run (speculation
 must never lose to plain then either). A system name may end in @tN: that worker runs with N
 threads (DSPARK_THREADS for dsrun; @tauto, @tadaptive: DSPARK_THREADS=auto, adaptive),
@@ -177,8 +178,9 @@ def ratio_interval(runs: list[dict], base: list[dict], draws: int = 2000, seed: 
                    ) -> tuple[float, float]:
     """A 90% interval for throughput(runs) / throughput(base), the two lists paired by
     position (the same prompt and seed): a bootstrap over the pairs. Sampled outputs differ
-    in length and speed from prompt to prompt and seed to seed, so a class's ratio from a few
-    samples moves."""
+    in length and speed from prompt to prompt and seed to seed, and with a core busy one
+    call's speed moves against the next one's (paired greedy calls of one process: 0.79-1.27
+    of each other), so a class's ratio from a few calls moves."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -229,7 +231,7 @@ def summarise(runs: dict[str, list[dict]], args) -> dict:
                 "class": cls, "system": system, "tps": tps[system],
                 "vs_own_plain": tps[system] / tps[plain] if plain in tps else None,
                 "vs_own_plain_90": (ratio_interval(xs, mine[plain])
-                                    if not greedy and plain in tps else None),
+                                    if plain in tps and plain != system else None),
                 "vs_dsrun_fp32_plain": tps[system] / tps[base] if base else None,
                 "vs_best_genai": tps[system] / genai if genai else None,
                 "vs_best_llama": tps[system] / llama if llama else None,

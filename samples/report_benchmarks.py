@@ -41,14 +41,15 @@ REPORTS = [
      "the first: two processes of one system differ by several percent under such a load, "
      "which bounds what one pair's ratio can show."),
     ("peers_loaded_one.json", "One core busy, each bundle's modes in one process",
-     "python samples/bench_peers.py --repeats 2 --background-load --one-process --systems "
-     "dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default dsrun-genai4-plain "
-     "dsrun-genai4-default dsrun-q4-plain#2 dsrun-q4-default#2 "
+     "python samples/bench_peers.py --repeats 4 --background-load --one-process --systems "
+     "dsrun-q4-plain dsrun-q4-default dsrun-genai4-plain dsrun-genai4-default "
+     "dsrun-q4-plain#2 dsrun-q4-default#2 "
      "--json build/reports/peers_loaded_one.json",
      "As above, but one process serves both modes of a bundle, each request naming its mode "
      "(a server's clients turning speculation on and off per request), so the ratio to plain "
-     "is speculation's own, without the spread between processes. `#2`: a second such "
-     "process."),
+     "is speculation's own, without the spread between processes, with a 90% bootstrap "
+     "interval over the paired calls (a busy core moves one call's speed against the next "
+     "one's). `#2`: a second such process."),
     ("int4_kernels.json", "MatMulInt4's paths against onnxruntime's MatMulNBits",
      "python samples/bench_int4.py --json build/reports/int4_kernels.json",
      "Microseconds per projection of SmolLM2's shapes (median of interleaved runs), each "
@@ -69,11 +70,12 @@ REPORTS = [
      "Both at once: the AVX2 path and another process spinning on one core (`#2`: a second "
      "process of the same system)."),
     ("peers_loaded_avx2_one.json", "dsrun on its AVX2 path, one core busy, modes in one process",
-     "DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell python samples/bench_peers.py --repeats 2 "
-     "--background-load --one-process --systems dsrun-fp32-plain dsrun-fp32-default "
-     "dsrun-q4-plain dsrun-q4-default dsrun-q4-plain#2 dsrun-q4-default#2 "
+     "DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell python samples/bench_peers.py --repeats 4 "
+     "--background-load --one-process --systems dsrun-q4-plain dsrun-q4-default "
+     "dsrun-genai4-plain dsrun-genai4-default dsrun-q4-plain#2 dsrun-q4-default#2 "
      "--json build/reports/peers_loaded_avx2_one.json",
-     "The AVX2 path under load, each bundle's two modes in one process (`#2`: a second such "
+     "The AVX2 path under load, each bundle's two modes in one process, the interval as in "
+     "the AVX-512 one-process section (`#2`: a second such "
      "process)."),
     ("peers_int4off.json", "Without MatMulInt4: onnxruntime's kernels",
      "DSPARK_CPU_INT4=0 python samples/bench_peers.py --repeats 2 --systems dsrun-fp32-plain "
