@@ -11,17 +11,15 @@ block's float one rounded (z_nb, within the codes' range), plus what the roundin
     y_n = sum_b scale_nb sum_i (code_i - zp_nb) x_i
         = MatMulNBits_uint8(x)_n + sum_b c_nb X_b,   c_nb = scale_nb (z_nb - zp_nb)
 
-X_b, the sum of x over block b, is a Reshape of x to [..., K / block, block] and a ReduceSum
-over its last axis (one per input and block size, shared by the projections that read it;
-where x's rank is unknown, a MatMul with a 0/1 [K, K / block] matrix), and the weighted sum
-a MatMul with c as [K / block, N]. The 0/1 matrices were float32 weights too: 12.5 MB a step
-beside SmolLM2's 13 MB of c, which a decode read from memory as it reads the codes. The same
-function, summed in another order: at accuracy level 0 SmolLM2's draft gives the original's
-logits to 1.7e-4 (of ~32) on 40 tokens. The uint8 kernel keeps the node's accuracy level (4:
-its inputs rounded to int8 per block, as MatMulInt4 does): the draft's logits then move by
-1.71 from the original's on 40 tokens, MatMulInt4's by 1.65. Rounded zero points keep each
-shift within half a scale where the block spans zero (the default 8 for all of them took as
-long and moved the logits as far, with larger shifts).
+X_b, the sum of x over block b, is a MatMul with a 0/1 [K, K / block] matrix (one per input
+and block size, shared by the projections that read it), and the weighted sum a MatMul with
+c as [K / block, N]. The same function, summed in another order: at accuracy level 0
+SmolLM2's draft gives the original's logits to 1.7e-4 (of ~32) on 40 tokens. The uint8
+kernel keeps the node's accuracy level (4: its inputs rounded to int8 per block, as
+MatMulInt4 does): the draft's logits then move by 1.71 from the original's on 40 tokens,
+MatMulInt4's by 1.65. Rounded zero points keep each shift within half a scale where the
+block spans zero (the default 8 for all of them took as long and moved the logits as far,
+with larger shifts).
 """
 
 from __future__ import annotations
@@ -61,45 +59,12 @@ def _packed(zero_points: np.ndarray, bits: int) -> np.ndarray:
     return (z[:, 0::2] | (z[:, 1::2] << 4)).reshape(-1)
 
 
-def _ranks(graph: onnx.GraphProto) -> dict[str, int]:
-    """The rank of each value whose shape the graph declares."""
-    return {v.name: len(v.type.tensor_type.shape.dim)
-            for v in [*graph.input, *graph.value_info, *graph.output]
-            if v.type.tensor_type.HasField("shape")}
-
-
-def _block_sums(graph: onnx.GraphProto, x: str, rank: int | None, k: int, block: int,
-                out: str, name: str, opset: int) -> list[onnx.NodeProto]:
-    """Nodes writing `out`, x [..., k] summed over each block of its last axis."""
-    blocks = k // block
-    if rank is None or rank < 1:  # no shape to keep: a MatMul with a 0/1 matrix
-        ones = np.zeros((k, blocks), np.float32)
-        ones[np.arange(k), np.arange(k) // block] = 1.0
-        graph.initializer.append(numpy_helper.from_array(ones, f"{out}/ones"))
-        return [helper.make_node("MatMul", [x, f"{out}/ones"], [out], name=f"{name}/block_sums")]
-    shape = np.array([0] * (rank - 1) + [blocks, block], np.int64)  # 0: that dimension of x
-    graph.initializer.append(numpy_helper.from_array(shape, f"{out}/shape"))
-    reshape = helper.make_node("Reshape", [x, f"{out}/shape"], [f"{out}/blocks"],
-                               name=f"{name}/blocks")
-    if opset >= 13:
-        graph.initializer.append(numpy_helper.from_array(np.array([-1], np.int64),
-                                                         f"{out}/axis"))
-        reduce = helper.make_node("ReduceSum", [f"{out}/blocks", f"{out}/axis"], [out],
-                                  name=f"{name}/block_sums", keepdims=0)
-    else:
-        reduce = helper.make_node("ReduceSum", [f"{out}/blocks"], [out],
-                                  name=f"{name}/block_sums", axes=[-1], keepdims=0)
-    return [reshape, reduce]
-
-
 def split_float_zero_points(model: onnx.ModelProto, folder: Path) -> int:
     """Every MatMulNBits of `model` with float zero points (its weights' external data under
     `folder`) becomes one with uint8 zero points plus what their rounding moved (module
     doc); the count rewritten."""
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
-    ranks = _ranks(graph)
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
     nodes, sums, done, dropped = [], {}, 0, set()
     for node in graph.node:
         if not _float_zero_points(node, initializers):
@@ -116,9 +81,13 @@ def split_float_zero_points(model: onnx.ModelProto, folder: Path) -> int:
         rounded = np.clip(np.rint(zp), 0, 2 ** bits - 1)
         shift = scales.reshape(n, blocks) * (rounded - zp)
         if (x, block) not in sums:
+            ones = np.zeros((k, blocks), np.float32)
+            ones[np.arange(k), np.arange(k) // block] = 1.0
+            name = f"{out}/block_ones"
+            graph.initializer.append(numpy_helper.from_array(ones, name))
             sums[x, block] = f"{out}/block_sums"
-            nodes += _block_sums(graph, x, ranks.get(x), k, block, sums[x, block],
-                                 node.name, opset)
+            nodes.append(helper.make_node("MatMul", [x, name], [sums[x, block]],
+                                          name=f"{node.name}/block_sums"))
         shift_name = f"{out}/zero_point_shift"
         graph.initializer.append(numpy_helper.from_array(
             np.ascontiguousarray(shift.T), shift_name))
