@@ -26,7 +26,12 @@ REPORTS = [
      "tok/s per class (12 unseen prompts: 4 code, 4 chat, 4 edits; 128 new tokens), and "
      "ratios to the system's own plain mode, to dsrun's fp32 plain decoding, to the fastest "
      "onnxruntime-genai mode and to the fastest lossless llama.cpp mode on weights of the "
-     "same precision. `same`: every greedy output equals its own plain mode's."),
+     "same precision. `same`: every greedy output equals its own plain mode's. Whole runs "
+     "move too: two runs of the same code (0d457b9 and a8221df differ in docs only), 25 "
+     "minutes apart, measured the fp32 sample's default at 1.69 / 1.77 / 1.66x its own plain "
+     "(1.60 / 1.59 / 1.29x the best llama.cpp mode) and at "
+     "2.00 / 2.08 / 1.85x (1.92 / 1.94 / 1.53x); the first is not a slower revision "
+     "(`bench_revisions.py e14cba3` the same hour: new/old 0.98-1.04)."),
     ("peers_sampled.json", "Against onnxruntime-genai and llama.cpp, temperature 0.7",
      "python samples/bench_peers.py --repeats 3 --temperature 0.7 "
      "--json build/reports/peers_sampled.json",
