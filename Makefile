@@ -70,6 +70,13 @@ benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmark
 	    dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default \
 	    dsrun-genai4-plain dsrun-genai4-default dsrun-q4-plain#2 dsrun-q4-default#2 \
 	    --json $(REPORTS)/peers_loaded.json
+	$(BIN)/python samples/bench_peers.py --repeats 4 --one-process --systems \
+	    dsrun-q4-plain dsrun-q4-default dsrun-genai4-plain dsrun-genai4-default \
+	    dsrun-q4-plain#2 dsrun-q4-default#2 --json $(REPORTS)/peers_quiet_one.json
+	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/python samples/bench_peers.py --repeats 4 \
+	    --one-process --systems dsrun-q4-plain dsrun-q4-default \
+	    dsrun-genai4-plain dsrun-genai4-default dsrun-q4-plain#2 dsrun-q4-default#2 \
+	    --json $(REPORTS)/peers_avx2_one.json
 	$(BIN)/python samples/bench_peers.py --repeats 4 --background-load --one-process --systems \
 	    dsrun-q4-plain dsrun-q4-default dsrun-genai4-plain dsrun-genai4-default \
 	    dsrun-q4-plain#2 dsrun-q4-default#2 \

@@ -45,16 +45,28 @@ REPORTS = [
      "lose to plain decoding then either. `#2`: a second process of the same system, beside "
      "the first: two processes of one system differ by several percent under such a load, "
      "which bounds what one pair's ratio can show."),
+    ("peers_quiet_one.json", "The int4 bundles' modes in one process",
+     "python samples/bench_peers.py --repeats 4 --one-process --systems dsrun-q4-plain "
+     "dsrun-q4-default dsrun-genai4-plain dsrun-genai4-default dsrun-q4-plain#2 "
+     "dsrun-q4-default#2 --json build/reports/peers_quiet_one.json",
+     "One process serves both modes of a bundle, each request naming its mode (a server's "
+     "clients turning speculation on and off per request), so the ratio to plain is "
+     "speculation's own, without the spread between processes; a 90% bootstrap interval "
+     "over the paired calls. `#2`: a second such process."),
+    ("peers_avx2_one.json", "The int4 bundles' modes in one process, AVX2 path",
+     "DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell python samples/bench_peers.py --repeats 4 "
+     "--one-process --systems dsrun-q4-plain dsrun-q4-default dsrun-genai4-plain "
+     "dsrun-genai4-default dsrun-q4-plain#2 dsrun-q4-default#2 "
+     "--json build/reports/peers_avx2_one.json",
+     "As above, MatMulInt4 and the attention on their AVX2 paths."),
     ("peers_loaded_one.json", "One core busy, each bundle's modes in one process",
      "python samples/bench_peers.py --repeats 4 --background-load --one-process --systems "
      "dsrun-q4-plain dsrun-q4-default dsrun-genai4-plain dsrun-genai4-default "
      "dsrun-q4-plain#2 dsrun-q4-default#2 "
      "--json build/reports/peers_loaded_one.json",
-     "As above, but one process serves both modes of a bundle, each request naming its mode "
-     "(a server's clients turning speculation on and off per request), so the ratio to plain "
-     "is speculation's own, without the spread between processes, with a 90% bootstrap "
-     "interval over the paired calls (a busy core moves one call's speed against the next "
-     "one's). `#2`: a second such process."),
+     "Another process spins on one of the two cores for the whole run; each bundle's two "
+     "modes in one process with the interval, as in the two sections above (a busy core "
+     "moves one call's speed against the next one's). `#2`: a second such process."),
     ("int4_kernels.json", "MatMulInt4's paths against onnxruntime's MatMulNBits",
      "python samples/bench_int4.py --json build/reports/int4_kernels.json",
      "Microseconds per projection of SmolLM2's shapes (median of interleaved runs), each "
@@ -214,7 +226,8 @@ def bench_table(report: dict) -> list[str]:
 TABLES = {"peers_greedy.json": peers_table, "peers_sampled.json": peers_table,
           "peers_loaded.json": peers_table, "peers_avx2.json": peers_table,
           "peers_loaded_avx2.json": peers_table, "peers_loaded_one.json": peers_table,
-          "peers_loaded_avx2_one.json": peers_table, "peers_int4off.json": peers_table,
+          "peers_loaded_avx2_one.json": peers_table, "peers_quiet_one.json": peers_table,
+          "peers_avx2_one.json": peers_table, "peers_int4off.json": peers_table,
           "peers_gemma3.json": peers_table,
           "peers_optimum.json": peers_table, "peers_threads_loaded.json": peers_table,
           "peers_threads.json": peers_table, "peers_threads_auto.json": peers_table,
