@@ -81,6 +81,58 @@ static inline __attribute__((always_inline)) TARGET void NAME(half_block)(
   const int64_t k = c->k, blocks = k / BLOCK;
   const int32_t zero = zero_point(BITS, MINS);
   const VI low = SET1_I8(0x0F);
+#if !VNNI
+  if (R > 1 && R <= 6) {
+    /* Without VNNI, a few rows go inside the weights' loop: each row's int16 sums (two at 8
+       bits, the low and high nibbles' products) stay in registers beside one unpacked pair
+       of vectors. Unpacked whole, the block's weights and R accumulators spilled on AVX2's
+       16 registers (GCC also summed all of a row's products at the end, through the stack;
+       the empty asm keeps each row's running sum a register). Each block's int32 is the
+       same: at most eight maddubs results fit int16 in any order (8 * 3840 < 2^15).
+       AVX2, one thread, weights from memory, new/old: 4-bit projections 0.80-0.91 at 2-12
+       rows, the 8-bit head 0.69-0.82; AVX-512 without VNNI 0.93-0.97 at 2-5 rows and no
+       gain from 9 rows up, so the whole block stays unpacked there. */
+    const VI ones = SET1_I16(1);
+    VI l[ROWS], lh[ROWS];
+    EACH_ROW (int r = 0; r < R; r++) l[r] = lh[r] = SETZERO_I();
+    if (BITS == 4) {
+      for (int v = 0; v < 4; v++) {
+        const VI packed = LOADU(rec + 64 * v + 4 * W * h);
+        const VI qa = AND(packed, low), qb = AND(SRLI16(packed, 4), low);
+        EACH_ROW (int r = 0; r < R; r++) {
+          const int8_t *xb = c->x8 + (r0 + r) * k + b * BLOCK + 8 * v;
+          l[r] = ADD_I16(l[r], ADD_I16(MADDUBS(qa, NAME(bcast4)(xb)),
+                                       MADDUBS(qb, NAME(bcast4)(xb + 4))));
+          __asm__("" : "+v"(l[r]));
+        }
+      }
+    } else {
+      for (int v = 0; v < 8; v++) {
+        const VI packed = LOADU(rec + 64 * v + 4 * W * h);
+        const VI qa = AND(packed, low), qb = AND(SRLI16(packed, 4), low);
+        EACH_ROW (int r = 0; r < R; r++) {
+          const VI xv = NAME(bcast4)(c->x8 + (r0 + r) * k + b * BLOCK + 4 * v);
+          l[r] = ADD_I16(l[r], MADDUBS(qa, xv));
+          lh[r] = ADD_I16(lh[r], MADDUBS(qb, xv));
+          __asm__("" : "+v"(l[r]), "+v"(lh[r]));
+        }
+      }
+    }
+    const VF ws = LOAD_HALVES(rec + 64 * BITS + 2 * W * h);
+    const VF ms = MINS ? LOAD_HALVES(rec + 64 * BITS + 32 + 2 * W * h) : SETZERO_F();
+    EACH_ROW (int r = 0; r < R; r++) {
+      const int64_t row = r0 + r;
+      const int32_t sum = c->zx[row * blocks + b];
+      const float sx = c->sx[row * blocks + b];
+      VI d = MADD16(l[r], ones);
+      if (BITS == 8) d = ADD_I32(d, SLLI32(MADD16(lh[r], ones), 4));
+      d = ADD_I32(d, SET1_I32(-zero * sum));
+      acc[r] = FMADD(CVT_F(d), MUL_F(ws, SET1_F(sx)), acc[r]);
+      if (MINS) acc[r] = FMADD(ms, SET1_F(sx * (float)sum), acc[r]);
+    }
+    return;
+  }
+#endif
   /* vector v holds inputs 4v .. 4v+3 of the block for this half's outputs */
   VI q[8], hi[8];
   if (BITS == 4) {

@@ -147,13 +147,15 @@ def test_op_computes_the_blocks(library, k, n, rows, threads, bits, with_mins, i
     np.testing.assert_array_equal(got, plain)  # every path: the same bits
 
 
+@pytest.mark.parametrize("rows", [3, 7])
 @pytest.mark.parametrize("bits,with_mins", FORMATS)
-def test_every_path_gives_the_same_bits(library, bits, with_mins):
+def test_every_path_gives_the_same_bits(library, bits, with_mins, rows):
     """Extreme inputs (every input at +-127, one value setting its block's scale) over all
     16 rows of a group, weights at their extremes: the int16 sums without VNNI must not
-    saturate."""
+    saturate, in either order of summing (without VNNI, up to 6 rows of x go inside the
+    weights' loop, more take the block's weights unpacked whole)."""
     rng = np.random.default_rng(bits * 2 + with_mins)
-    k, n, rows = 256, 45, 7
+    k, n = 256, 45
     b = rng.choice(np.array([0, 15 * 17, 255], np.uint8), (n, k // 32, 4 * bits))
     scales = (rng.random(n * k // 32, dtype=np.float32) * 0.02 + 1e-3).astype(np.float32)
     mins = _mins(rng, k, n) if with_mins else None
