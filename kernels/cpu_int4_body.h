@@ -89,9 +89,9 @@ static inline __attribute__((always_inline)) TARGET void NAME(half_block)(
        16 registers (GCC also summed all of a row's products at the end, through the stack;
        the empty asm keeps each row's running sum a register). Each block's int32 is the
        same: at most eight maddubs results fit int16 in any order (8 * 3840 < 2^15).
-       AVX2, one thread, weights from memory, new/old: 4-bit projections 0.80-0.91 at 2-12
-       rows, the 8-bit head 0.69-0.82; AVX-512 without VNNI 0.93-0.97 at 2-5 rows and no
-       gain from 9 rows up, so the whole block stays unpacked there. */
+       AVX2, one thread, new/old: the 8-bit head 0.82-0.90 at 2-9 rows, gate/up 0.93-0.96
+       (docs/performance.md). AVX-512 without VNNI gained at 2-5 rows and lost from 9 rows
+       up, so more rows than 6 take the whole block unpacked. */
     const VI ones = SET1_I16(1);
     VI l[ROWS], lh[ROWS];
     EACH_ROW (int r = 0; r < R; r++) l[r] = lh[r] = SETZERO_I();
