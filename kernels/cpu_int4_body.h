@@ -73,13 +73,25 @@ static inline __attribute__((always_inline)) TARGET VI NAME(dot)(const VI *q, co
 #endif
 }
 
+/* acc + row's block dot product d (int32, before its zero point), scaled by the weights'
+   scales ws and the row's block scale; with mins, their share too. */
+static inline __attribute__((always_inline)) TARGET VF NAME(scaled)(
+    const Int4Call *c, int64_t row, int64_t b, VI d, VF ws, VF ms, VF acc, const int BITS,
+    const int MINS) {
+  const int64_t blocks = c->k / BLOCK;
+  const int32_t sum = c->zx[row * blocks + b];
+  const float sx = c->sx[row * blocks + b];
+  d = ADD_I32(d, SET1_I32(-zero_point(BITS, MINS) * sum));
+  acc = FMADD(CVT_F(d), MUL_F(ws, SET1_F(sx)), acc);
+  return MINS ? FMADD(ms, SET1_F(sx * (float)sum), acc) : acc;
+}
+
 /* Block b of group g, half h (its W outputs), for rows r0 .. r0+R-1 of x: acc[r] += the
    rows' dot products, scaled. BITS and MINS are constants in every call. */
 static inline __attribute__((always_inline)) TARGET void NAME(half_block)(
     const Int4Call *c, const uint8_t *rec, int h, int64_t b, int64_t r0, int R, VF *acc,
     const int BITS, const int MINS) {
-  const int64_t k = c->k, blocks = k / BLOCK;
-  const int32_t zero = zero_point(BITS, MINS);
+  const int64_t k = c->k;
   const VI low = SET1_I8(0x0F);
 #if !VNNI
   if (R > 1 && R <= 6) {
@@ -121,14 +133,9 @@ static inline __attribute__((always_inline)) TARGET void NAME(half_block)(
     const VF ws = LOAD_HALVES(rec + 64 * BITS + 2 * W * h);
     const VF ms = MINS ? LOAD_HALVES(rec + 64 * BITS + 32 + 2 * W * h) : SETZERO_F();
     EACH_ROW (int r = 0; r < R; r++) {
-      const int64_t row = r0 + r;
-      const int32_t sum = c->zx[row * blocks + b];
-      const float sx = c->sx[row * blocks + b];
       VI d = MADD16(l[r], ones);
       if (BITS == 8) d = ADD_I32(d, SLLI32(MADD16(lh[r], ones), 4));
-      d = ADD_I32(d, SET1_I32(-zero * sum));
-      acc[r] = FMADD(CVT_F(d), MUL_F(ws, SET1_F(sx)), acc[r]);
-      if (MINS) acc[r] = FMADD(ms, SET1_F(sx * (float)sum), acc[r]);
+      acc[r] = NAME(scaled)(c, r0 + r, b, d, ws, ms, acc[r], BITS, MINS);
     }
     return;
   }
@@ -153,13 +160,8 @@ static inline __attribute__((always_inline)) TARGET void NAME(half_block)(
   const VF ws = LOAD_HALVES(rec + 64 * BITS + 2 * W * h);
   const VF ms = MINS ? LOAD_HALVES(rec + 64 * BITS + 32 + 2 * W * h) : SETZERO_F();
   EACH_ROW (int r = 0; r < R; r++) {
-    const int64_t row = r0 + r;
-    const int32_t sum = c->zx[row * blocks + b];
-    const float sx = c->sx[row * blocks + b];
-    VI d = NAME(dot)(q, hi, c->x8 + row * k + b * BLOCK, BITS);
-    d = ADD_I32(d, SET1_I32(-zero * sum));
-    acc[r] = FMADD(CVT_F(d), MUL_F(ws, SET1_F(sx)), acc[r]);
-    if (MINS) acc[r] = FMADD(ms, SET1_F(sx * (float)sum), acc[r]);
+    const VI d = NAME(dot)(q, hi, c->x8 + (r0 + r) * k + b * BLOCK, BITS);
+    acc[r] = NAME(scaled)(c, r0 + r, b, d, ws, ms, acc[r], BITS, MINS);
   }
 }
 
