@@ -7,7 +7,7 @@
      SPLIT8       1 where the dot instruction multiplies signed bytes (sdot): 8-bit weights
                   go in nibbles, as without VNNI
      PREFETCH_T0  a prefetch into the first-level cache
-     ROWS         rows of x that share one load of a block's weights, 4, 8 or 12: as many
+     ROWS         rows of x that share one load of a block's weights, 4 to 12: as many
                   as the registers hold beside the unpacked weights
      and the operations below (LOADU, AND, SRLI16, ...) spelled in its intrinsics.
 
@@ -233,7 +233,7 @@ static inline __attribute__((always_inline)) TARGET void NAME(group)(
 
 static inline __attribute__((always_inline)) TARGET void NAME(groups_of)(
     const Int4Call *c, int64_t g0, int64_t g1, const int BITS, const int MINS) {
-#if ROWS > 4
+#if ROWS > 5
   /* a decode step, in a loop of its own: inside the larger switch one row measured 2-4%
      slower on AVX-512 VNNI (at ROWS 4 the loop of its own was the slower one, on AVX2) */
   if (c->rows == 1) {
@@ -241,22 +241,38 @@ static inline __attribute__((always_inline)) TARGET void NAME(groups_of)(
     return;
   }
 #endif
+  /* as few passes as ROWS allows, with rows as even as can be: at 5 a pass, 12 rows as
+     4 + 4 + 4, not 5 + 5 + 2 (a pass of few rows unpacks the weights for little) */
+  const int64_t passes = (c->rows + ROWS - 1) / ROWS;
   for (int64_t g = g0; g < g1; g++)
-    for (int64_t r0 = 0; r0 < c->rows; r0 += ROWS) {
-      switch (c->rows - r0 < ROWS ? c->rows - r0 : ROWS) {
+    for (int64_t r0 = 0, p = passes, take; p > 0; r0 += take, p--) {
+      take = (c->rows - r0 + p - 1) / p;
+      switch (take) {
         case 1: NAME(group)(c, g, r0, 1, BITS, MINS); break;
         case 2: NAME(group)(c, g, r0, 2, BITS, MINS); break;
         case 3: NAME(group)(c, g, r0, 3, BITS, MINS); break;
-#if ROWS >= 8
+#if ROWS > 4
         case 4: NAME(group)(c, g, r0, 4, BITS, MINS); break;
+#endif
+#if ROWS > 5
         case 5: NAME(group)(c, g, r0, 5, BITS, MINS); break;
+#endif
+#if ROWS > 6
         case 6: NAME(group)(c, g, r0, 6, BITS, MINS); break;
+#endif
+#if ROWS > 7
         case 7: NAME(group)(c, g, r0, 7, BITS, MINS); break;
 #endif
-#if ROWS >= 12
+#if ROWS > 8
         case 8: NAME(group)(c, g, r0, 8, BITS, MINS); break;
+#endif
+#if ROWS > 9
         case 9: NAME(group)(c, g, r0, 9, BITS, MINS); break;
+#endif
+#if ROWS > 10
         case 10: NAME(group)(c, g, r0, 10, BITS, MINS); break;
+#endif
+#if ROWS > 11
         case 11: NAME(group)(c, g, r0, 11, BITS, MINS); break;
 #endif
         default: NAME(group)(c, g, r0, ROWS, BITS, MINS); break;
