@@ -6,8 +6,6 @@
      VI, VF       its integer and float vector types          (vpdpbusd, sdot), 0: maddubs + madd
      SPLIT8       1 where the dot instruction multiplies signed bytes (sdot): 8-bit weights
                   go in nibbles, as without VNNI
-     DPBUSD_BCAST (optional) acc += the dot of 4-bit weights q with 4 bytes of x broadcast
-                  from memory inside the instruction
      PREFETCH_T0  a prefetch into the first-level cache
      ROWS         rows of x that share one load of a block's weights, 4 to 12: as many
                   as the registers hold beside the unpacked weights
@@ -46,13 +44,6 @@ static inline __attribute__((always_inline)) TARGET VI NAME(dot)(const VI *q, co
   /* two chains of four: the dot instruction's latency, not its rate, would bound one of eight */
   VI d0 = SETZERO_I(), d1 = SETZERO_I();
   for (int v = 0; v < 8; v += 2) {
-#ifdef DPBUSD_BCAST
-    if (BITS == 4) { /* 8-bit weights come straight from memory, the instruction's one */
-      DPBUSD_BCAST(d0, q[v], xb + 4 * v);
-      DPBUSD_BCAST(d1, q[v + 1], xb + 4 * v + 4);
-      continue;
-    }
-#endif
     d0 = DPBUSD(d0, q[v], NAME(bcast4)(xb + 4 * v));
     d1 = DPBUSD(d1, q[v + 1], NAME(bcast4)(xb + 4 * v + 4));
   }

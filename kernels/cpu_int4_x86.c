@@ -45,11 +45,6 @@
 #define SPLIT8 0
 #define ROWS 12 /* 32 registers: 12 accumulators beside the unpacked weights */
 
-/* vpdpbusd with x's 4 bytes as an embedded broadcast ({1to16}), which GCC does not fold
-   from a separate vpbroadcastd: one thread, 4-bit projections at 2-12 rows 0.83-0.97 of
-   the separate broadcast, one row the same (docs/performance.md) */
-#define DPBUSD_BCAST(acc, q, p) \
-  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(q), "m"(*(const int32_t *)(p)))
 #define NAME(x) avx512_vnni_##x
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 #define VNNI 1
@@ -58,7 +53,6 @@
 #undef TARGET
 #undef VNNI
 
-#undef DPBUSD_BCAST
 #define NAME(x) avx512_##x
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
 #define VNNI 0
