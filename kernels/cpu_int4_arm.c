@@ -44,6 +44,8 @@
 #define PREFETCH_T0(p) __builtin_prefetch((const void *)(p), 0, 3)
 #define SPLIT8 1
 #define ROWS 4
+#define INSIDE 0
+#define DECODE_LOOP 0
 
 #define NAME(x) neon_dotprod_##x
 #define TARGET __attribute__((target("arch=armv8.2-a+dotprod+fp16")))

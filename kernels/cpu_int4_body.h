@@ -9,6 +9,9 @@
      PREFETCH_T0  a prefetch into the first-level cache
      ROWS         rows of x that share one load of a block's weights, 4 to 12: as many
                   as the registers hold beside the unpacked weights
+     INSIDE       up to how many rows (2 and more) go inside the weights' loop, one unpacked
+                  pair of vectors at a time (rows_inside); 0: never
+     DECODE_LOOP  1: one row (a decode step) runs a loop of its own, outside the rows' switch
      and the operations below (LOADU, AND, SRLI16, ...) spelled in its intrinsics.
 
    A group's 16 rows take 16 / W vectors ("halves", quarters at 4 lanes); per block and half
@@ -86,6 +89,91 @@ static inline __attribute__((always_inline)) TARGET VF NAME(scaled)(
   return MINS ? FMADD(ms, SET1_F(sx * (float)sum), acc) : acc;
 }
 
+/* A few rows inside the weights' loop (paths of 16 registers; INSIDE: up to how many rows):
+   each row's running sums stay in registers beside one unpacked pair of weight vectors. Unpacked
+   whole, the block's weights and R accumulators spilled on AVX2's 16 registers (GCC also summed
+   all of a row's products at the end, through the stack; the empty asm keeps each row's running
+   sum a register). Each block's int32 is the same in any order: vpdpbusd's sums are exact, and
+   without VNNI at most eight maddubs results fit int16 (8 * 3840 < 2^15). Without VNNI at 8
+   bits a row keeps two sums, the low and high nibbles' products; with VNNI two rows keep two
+   each (the pair's two vectors), so that two chains of the instruction's latency run a row,
+   and three rows and more one (the rows' chains overlap).
+   AVX2, one thread, new/old: the 8-bit head 0.82-0.90 at 2-9 rows, gate/up 0.93-0.96
+   (docs/performance.md). AVX-512 without VNNI gained at 2-5 rows and lost from 9 rows up, so
+   more rows than 6 take the whole block unpacked. AVX-VNNI, measured in its stand-in (the
+   same code with the EVEX instruction and 16 registers, on AVX-512 VNNI): 4-bit projections
+   0.91-0.97 at 4-9 rows, the 8-bit head 0.75-0.89. */
+#if INSIDE && VNNI && SPLIT8
+#error "rows inside the weights' loop: no form for 8-bit weights split in nibbles with a dot instruction"
+#endif
+static inline __attribute__((always_inline)) TARGET void NAME(rows_inside)(
+    const Int4Call *c, const uint8_t *rec, int h, int64_t b, int64_t r0, int R, VF *acc,
+    const int BITS, const int MINS) {
+  const int64_t k = c->k;
+  const VI low = SET1_I8(0x0F);
+  VI l[ROWS], lh[ROWS];
+  EACH_ROW (int r = 0; r < R; r++) l[r] = lh[r] = SETZERO_I();
+  if (BITS == 4) {
+    for (int v = 0; v < 4; v++) {
+      const VI packed = LOADU(rec + 64 * v + 4 * W * h);
+      const VI qa = AND(packed, low), qb = AND(SRLI16(packed, 4), low);
+      EACH_ROW (int r = 0; r < R; r++) {
+        const int8_t *xb = c->x8 + (r0 + r) * k + b * BLOCK + 8 * v;
+#if VNNI
+        if (R <= 2) {
+          l[r] = DPBUSD(l[r], qa, NAME(bcast4)(xb));
+          lh[r] = DPBUSD(lh[r], qb, NAME(bcast4)(xb + 4));
+          __asm__("" : "+v"(l[r]), "+v"(lh[r]));
+        } else {
+          l[r] = DPBUSD(DPBUSD(l[r], qa, NAME(bcast4)(xb)), qb, NAME(bcast4)(xb + 4));
+          __asm__("" : "+v"(l[r]));
+        }
+#else
+        l[r] = ADD_I16(l[r], ADD_I16(MADDUBS(qa, NAME(bcast4)(xb)),
+                                     MADDUBS(qb, NAME(bcast4)(xb + 4))));
+        __asm__("" : "+v"(l[r]));
+#endif
+      }
+    }
+  } else {
+    for (int v = 0; v < 8; v++) {
+      const VI packed = LOADU(rec + 64 * v + 4 * W * h);
+#if VNNI
+      EACH_ROW (int r = 0; r < R; r++) {
+        const VI xv = NAME(bcast4)(c->x8 + (r0 + r) * k + b * BLOCK + 4 * v);
+        if (R <= 2 && v % 2) {
+          lh[r] = DPBUSD(lh[r], packed, xv);
+          __asm__("" : "+v"(lh[r]));
+        } else {
+          l[r] = DPBUSD(l[r], packed, xv);
+          __asm__("" : "+v"(l[r]));
+        }
+      }
+#else
+      const VI qa = AND(packed, low), qb = AND(SRLI16(packed, 4), low);
+      EACH_ROW (int r = 0; r < R; r++) {
+        const VI xv = NAME(bcast4)(c->x8 + (r0 + r) * k + b * BLOCK + 4 * v);
+        l[r] = ADD_I16(l[r], MADDUBS(qa, xv));
+        lh[r] = ADD_I16(lh[r], MADDUBS(qb, xv));
+        __asm__("" : "+v"(l[r]), "+v"(lh[r]));
+      }
+#endif
+    }
+  }
+  const VF ws = LOAD_HALVES(rec + 64 * BITS + 2 * W * h);
+  const VF ms = MINS ? LOAD_HALVES(rec + 64 * BITS + 32 + 2 * W * h) : SETZERO_F();
+  EACH_ROW (int r = 0; r < R; r++) {
+#if VNNI
+    const VI d = R <= 2 ? ADD_I32(l[r], lh[r]) : l[r];
+#else
+    const VI ones = SET1_I16(1);
+    VI d = MADD16(l[r], ones);
+    if (BITS == 8) d = ADD_I32(d, SLLI32(MADD16(lh[r], ones), 4));
+#endif
+    acc[r] = NAME(scaled)(c, r0 + r, b, d, ws, ms, acc[r], BITS, MINS);
+  }
+}
+
 /* Block b of group g, half h (its W outputs), for rows r0 .. r0+R-1 of x: acc[r] += the
    rows' dot products, scaled. BITS and MINS are constants in every call. */
 static inline __attribute__((always_inline)) TARGET void NAME(half_block)(
@@ -93,50 +181,9 @@ static inline __attribute__((always_inline)) TARGET void NAME(half_block)(
     const int BITS, const int MINS) {
   const int64_t k = c->k;
   const VI low = SET1_I8(0x0F);
-#if !VNNI
-  if (R > 1 && R <= 6) {
-    /* Without VNNI, a few rows go inside the weights' loop: each row's int16 sums (two at 8
-       bits, the low and high nibbles' products) stay in registers beside one unpacked pair
-       of vectors. Unpacked whole, the block's weights and R accumulators spilled on AVX2's
-       16 registers (GCC also summed all of a row's products at the end, through the stack;
-       the empty asm keeps each row's running sum a register). Each block's int32 is the
-       same: at most eight maddubs results fit int16 in any order (8 * 3840 < 2^15).
-       AVX2, one thread, new/old: the 8-bit head 0.82-0.90 at 2-9 rows, gate/up 0.93-0.96
-       (docs/performance.md). AVX-512 without VNNI gained at 2-5 rows and lost from 9 rows
-       up, so more rows than 6 take the whole block unpacked. */
-    const VI ones = SET1_I16(1);
-    VI l[ROWS], lh[ROWS];
-    EACH_ROW (int r = 0; r < R; r++) l[r] = lh[r] = SETZERO_I();
-    if (BITS == 4) {
-      for (int v = 0; v < 4; v++) {
-        const VI packed = LOADU(rec + 64 * v + 4 * W * h);
-        const VI qa = AND(packed, low), qb = AND(SRLI16(packed, 4), low);
-        EACH_ROW (int r = 0; r < R; r++) {
-          const int8_t *xb = c->x8 + (r0 + r) * k + b * BLOCK + 8 * v;
-          l[r] = ADD_I16(l[r], ADD_I16(MADDUBS(qa, NAME(bcast4)(xb)),
-                                       MADDUBS(qb, NAME(bcast4)(xb + 4))));
-          __asm__("" : "+v"(l[r]));
-        }
-      }
-    } else {
-      for (int v = 0; v < 8; v++) {
-        const VI packed = LOADU(rec + 64 * v + 4 * W * h);
-        const VI qa = AND(packed, low), qb = AND(SRLI16(packed, 4), low);
-        EACH_ROW (int r = 0; r < R; r++) {
-          const VI xv = NAME(bcast4)(c->x8 + (r0 + r) * k + b * BLOCK + 4 * v);
-          l[r] = ADD_I16(l[r], MADDUBS(qa, xv));
-          lh[r] = ADD_I16(lh[r], MADDUBS(qb, xv));
-          __asm__("" : "+v"(l[r]), "+v"(lh[r]));
-        }
-      }
-    }
-    const VF ws = LOAD_HALVES(rec + 64 * BITS + 2 * W * h);
-    const VF ms = MINS ? LOAD_HALVES(rec + 64 * BITS + 32 + 2 * W * h) : SETZERO_F();
-    EACH_ROW (int r = 0; r < R; r++) {
-      VI d = MADD16(l[r], ones);
-      if (BITS == 8) d = ADD_I32(d, SLLI32(MADD16(lh[r], ones), 4));
-      acc[r] = NAME(scaled)(c, r0 + r, b, d, ws, ms, acc[r], BITS, MINS);
-    }
+#if INSIDE
+  if (R > 1 && R <= INSIDE) {
+    NAME(rows_inside)(c, rec, h, b, r0, R, acc, BITS, MINS);
     return;
   }
 #endif
@@ -233,9 +280,10 @@ static inline __attribute__((always_inline)) TARGET void NAME(group)(
 
 static inline __attribute__((always_inline)) TARGET void NAME(groups_of)(
     const Int4Call *c, int64_t g0, int64_t g1, const int BITS, const int MINS) {
-#if ROWS > 5
+#if DECODE_LOOP
   /* a decode step, in a loop of its own: inside the larger switch one row measured 2-4%
-     slower on AVX-512 VNNI (at ROWS 4 the loop of its own was the slower one, on AVX2) */
+     slower on AVX-512 VNNI, 8-17% on AVX-VNNI's stand-in (on AVX2, at 4 rows a pass, the
+     loop of its own was the slower one) */
   if (c->rows == 1) {
     for (int64_t g = g0; g < g1; g++) NAME(group)(c, g, 0, 1, BITS, MINS);
     return;

@@ -48,18 +48,26 @@
 #define NAME(x) avx512_vnni_##x
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 #define VNNI 1
+#define INSIDE 0 /* 32 registers hold a block unpacked whole beside the rows */
+#define DECODE_LOOP 1
 #include "cpu_int4_body.h"
 #undef NAME
 #undef TARGET
 #undef VNNI
+#undef INSIDE
+#undef DECODE_LOOP
 
 #define NAME(x) avx512_##x
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
 #define VNNI 0
+#define INSIDE 6 /* gained at 2-5 rows, lost from 9 up */
+#define DECODE_LOOP 1
 #include "cpu_int4_body.h"
 #undef NAME
 #undef TARGET
 #undef VNNI
+#undef INSIDE
+#undef DECODE_LOOP
 
 #undef W
 #undef VI
@@ -102,7 +110,18 @@
 #define ADD_I32(a, b) _mm256_add_epi32(a, b)
 #define MADDUBS(a, b) _mm256_maddubs_epi16(a, b)
 #define MADD16(a, b) _mm256_madd_epi16(a, b)
+#ifdef DSPARK_AVX_VNNI_AS_EVEX
+/* Tests only (tests/test_int4_harness.py): the AVX-VNNI path's code with the EVEX form of the
+   same instruction (AVX-512 VL + VNNI), so a CPU with AVX-512 VNNI and without AVX-VNNI runs
+   it. Built with xmm16-31 reserved (-ffixed-xmm16 ...) it keeps AVX-VNNI's 16 registers. */
+#define DPBUSD(acc, a, b) _mm256_dpbusd_epi32(acc, a, b)
+#define AVX_VNNI_TARGET "avx2,avx512vl,avx512vnni,f16c,fma"
+#define AVX_VNNI_CPU (__builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+#else
 #define DPBUSD(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
+#define AVX_VNNI_TARGET "avx2,avxvnni,f16c,fma"
+#define AVX_VNNI_CPU __builtin_cpu_supports("avxvnni")
+#endif
 #define CVT_F(a) _mm256_cvtepi32_ps(a)
 #define SETZERO_F() _mm256_setzero_ps()
 #define SET1_F(v) _mm256_set1_ps(v)
@@ -110,27 +129,30 @@
 #define FMADD(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define STOREU_F(p, v) _mm256_storeu_ps(p, v)
 #define LOAD_HALVES(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
-#define ROWS 4 /* 16 registers: the unpacked weights and 4 accumulators */
+#define ROWS 5 /* 16 registers: rows inside the weights' loop, two registers a row beside one
+                  unpacked pair; a 5-token verify in one pass, not 4 + 1 (AVX2, one thread: 5
+                  rows 0.84-0.93 of 4 a pass, 9 rows 0.89-0.96, 4 and 12 the same) */
+#define INSIDE 5
 
 #define NAME(x) avx_vnni_##x
-#define TARGET __attribute__((target("avx2,avxvnni,f16c,fma")))
+#define TARGET __attribute__((target(AVX_VNNI_TARGET)))
 #define VNNI 1
+#define DECODE_LOOP 1 /* the head's one row 8-17% slower inside the switch (the stand-in) */
 #include "cpu_int4_body.h"
 #undef NAME
 #undef TARGET
 #undef VNNI
+#undef DECODE_LOOP
 
-#undef ROWS
-#define ROWS 5 /* rows inside the weights' loop: two registers a row beside one unpacked pair;
-                  a 5-token verify in one pass, not 4 + 1 (one thread: 5 rows 0.84-0.93 of
-                  4 a pass, 9 rows 0.89-0.96, 4 and 12 the same) */
 #define NAME(x) avx2_##x
 #define TARGET __attribute__((target("avx2,f16c,fma")))
 #define VNNI 0
+#define DECODE_LOOP 0 /* with its own loop one row measured the slower (at 4 rows a pass) */
 #include "cpu_int4_body.h"
 #undef NAME
 #undef TARGET
 #undef VNNI
+#undef DECODE_LOOP
 
 int int4_x86_supported(int isa) {
   __builtin_cpu_init();
@@ -140,7 +162,7 @@ int int4_x86_supported(int isa) {
                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
   switch (isa) {
     case ISA_AVX2: return avx2;
-    case ISA_AVX_VNNI: return avx2 && __builtin_cpu_supports("avxvnni");
+    case ISA_AVX_VNNI: return avx2 && AVX_VNNI_CPU;
     case ISA_AVX512: return avx512;
     case ISA_AVX512_VNNI: return avx512 && __builtin_cpu_supports("avx512vnni");
     default: return 0;

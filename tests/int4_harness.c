@@ -1,4 +1,4 @@
-/* MatMulInt4's paths without onnxruntime, for tests/test_cpu_int4_arm.py: the same random
+/* MatMulInt4's paths without onnxruntime, for tests/test_int4_harness.py: the same random
    cases on every path this CPU runs, each output printed as a 64-bit FNV-1a hash of its bits.
    Built natively and for aarch64 (run under qemu-user), so one test compares the paths of
    both architectures: every path of every architecture must print the same hashes.

@@ -1,7 +1,9 @@
 """MatMulInt4's paths across architectures (tests/int4_harness.c): the same random cases on
 every path, natively and, where a cross compiler and qemu-user are installed (Debian:
 gcc-aarch64-linux-gnu, qemu-user; .ci/run installs them), on aarch64's NEON dot-product
-path under emulation. Every path of both must give the same bits."""
+path under emulation. Every path of both must give the same bits. qemu-user does not run
+AVX-VNNI (nor AVX-512); on a CPU with AVX-512 VNNI the AVX-VNNI path's code runs in a
+stand-in build instead (the EVEX form of the same instruction, 16 registers)."""
 
 from __future__ import annotations
 
@@ -50,6 +52,25 @@ def test_every_native_path_gives_the_same_bits(native):
     for case in cases:
         digests = {path: d for (c, path), d in native.items() if c == case}
         assert "generic" in digests and len(set(digests.values())) == 1, (case, digests)
+
+
+def test_the_avx_vnni_path_gives_the_same_bits_in_its_stand_in(native, tmp_path):
+    """AVX-VNNI (Intel's client CPUs from Alder Lake on) is a path of its own that most CPUs
+    cannot run. Built with DSPARK_AVX_VNNI_AS_EVEX, its code takes the EVEX `vpdpbusd` of
+    AVX-512 VNNI, with xmm16-31 kept from the compiler (its register budget), and must give
+    the plain loops' bits."""
+    if "avx_vnni" in {path for _, path in native}:
+        pytest.skip("this CPU runs AVX-VNNI itself (test_every_native_path_gives_the_same_bits)")
+    if "avx512_vnni" not in {path for _, path in native}:
+        pytest.skip("the stand-in needs AVX-512 VNNI")
+    fixed = [f"-ffixed-xmm{i}" for i in range(16, 32)]
+    binary = _build(read_env().cc, tmp_path / "harness-avx-vnni",
+                    ["-march=x86-64-v2", "-DDSPARK_AVX_VNNI_AS_EVEX", *fixed])
+    stand_in = _hashes([str(binary)])
+    want = {case: d for (case, path), d in native.items() if path == "generic"}
+    got = {case: d for (case, path), d in stand_in.items() if path == "avx_vnni"}
+    assert set(got) == set(want)
+    assert got == want
 
 
 @pytest.mark.skipif(not (shutil.which(CROSS) and shutil.which(QEMU) and SYSROOT.exists()),
