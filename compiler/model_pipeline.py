@@ -22,6 +22,7 @@ from dspark.compiler.passes.gqa import (
     replace_gqa,
 )
 from dspark.compiler.passes.optimize import load_full, optimize
+from dspark.compiler.passes.positions import check_per_token_positions
 from dspark.compiler.passes.probe import PROBE_SHAPES, Prober
 from dspark.compiler.passes.projections import fuse_projections
 from dspark.compiler.passes.rotary import fuse_rotary
@@ -129,6 +130,7 @@ def rewrite(graph: gs.Graph, contract: InputContract, role: str, progress: Progr
     counts["inputs_bound"] = bind_removed_inputs(graph, set(contract.removed_inputs),
                                                  analysis.meanings, role, contract.path)
     graph.cleanup().toposort()
+    check_per_token_positions(graph, max_positions, contract.path)
     if lean:
         counts["shapes_folded"] = fold_shapes(graph, analysis.shape_samples, role)
         counts["transposes_sunk"] = sink_head_transposes(graph)

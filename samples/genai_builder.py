@@ -2,6 +2,7 @@
 with one adaptation: transformers 5 gives Gemma 3 its rope as per-layer-type
 `rope_parameters` ({"full_attention": ..., "sliding_attention": ...}), which the builder
 (0.18) reads as one flat dict and `rope_local_base_freq`; they are handed over in that form.
+Its Phi-3 reads a LongRoPE scaling's kind as transformers 4's "type" (5: "rope_type").
 
     python samples/genai_builder.py -i HF_FOLDER -o OUT -p fp32|int4 -e cpu
 """
@@ -17,6 +18,8 @@ def _flat_rope(config):
     if isinstance(rope, dict) and "sliding_attention" in rope and "full_attention" in rope:
         config.rope_local_base_freq = rope["sliding_attention"]["rope_theta"]
         config.rope_parameters = dict(rope["full_attention"])
+    elif isinstance(rope, dict) and rope.get("rope_type") == "longrope" and "type" not in rope:
+        config.rope_parameters = {**rope, "type": "longrope"}  # Phi-3's builder reads "type"
     return config
 
 

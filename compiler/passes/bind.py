@@ -105,6 +105,20 @@ def _materialize(graph: gs.Graph, meaning: Meaning, old: gs.Variable, role: str)
     return _cast(graph, src, dtype, name)
 
 
+def _branch_decided(node: gs.Node) -> gs.Node | None:
+    """The first If node whose condition `node`'s outputs feed, if any."""
+    seen, todo = set(), list(node.outputs)
+    while todo:
+        t = todo.pop(0)
+        for user in t.outputs:
+            if user.op == "If" and user.inputs and user.inputs[0] is t:
+                return user
+            if id(user) not in seen:
+                seen.add(id(user))
+                todo.extend(user.outputs)
+    return None
+
+
 def bind_removed_inputs(graph: gs.Graph, removed: set[str], meanings: dict[str, Meaning],
                         role: str, model_path) -> int:
     """Replace the earliest tensor of known meaning on every path from a removed input."""
@@ -127,10 +141,14 @@ def bind_removed_inputs(graph: gs.Graph, removed: set[str], meanings: dict[str, 
     for node in graph.nodes:
         used = [t.name for t in node.inputs if t.name in still]
         if used:
+            branch = _branch_decided(node)
             raise UnmappableAttentionError(
                 f"{model_path}: node '{node.name}' ({node.op}) still reads {used[0]} after the "
                 "attention rewrite, and its meaning is not the batch size, the positions or a "
-                "constant"
+                "constant" + ("" if branch is None else
+                              f"; it decides If node '{branch.name}', so the model changes with "
+                              "the sequence's length (as LongRoPE's rope caches do), which no "
+                              "batching of tokens reproduces exactly")
             )
     graph.inputs = [t for t in graph.inputs if t.name not in removed]
     return replaced
