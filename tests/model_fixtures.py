@@ -112,9 +112,11 @@ def build_fixtures(root: Path) -> dict[tuple[str, str], tuple[Path, Path]]:
 # window-sized caches (the builder's default for sliding layers); gemma3: 5 sliding layers of
 # 8, then a global one, a q/k norm per head between the packed projection's Split and the
 # GroupQueryAttention (built through samples/genai_builder.py, which hands the builder
-# transformers 5's per-layer-type rope in the form it reads)
+# transformers 5's per-layer-type rope in the form it reads); qwen3: a q/k norm per head,
+# tied head; phi3: packed projections in the checkpoint
 GENAI = {"llama-fp32": ("llama", "fp32"), "llama-int4": ("llama", "int4"),
-         "qwen2-fp32": ("qwen2", "fp32"), "gemma3-fp32": ("gemma3", "fp32")}
+         "qwen2-fp32": ("qwen2", "fp32"), "gemma3-fp32": ("gemma3", "fp32"),
+         "qwen3-fp32": ("qwen3", "fp32"), "phi3-fp32": ("phi3", "fp32")}
 GENAI_BUILDER = Path(__file__).resolve().parents[1] / "samples" / "genai_builder.py"
 
 
@@ -129,6 +131,10 @@ def _genai_model(arch: str):
         return LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True)).eval()
     if arch == "gemma3":
         return _model_class(arch)(_config(arch, MAIN_LAYERS[arch], "eager")).eval()
+    if arch in ("qwen3", "phi3"):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(_more_config(arch)).eval()
     return Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=True,
                                         sliding_window=SLIDING_WINDOW, max_window_layers=1,
                                         tie_word_embeddings=False)).eval()
