@@ -82,16 +82,24 @@ def setup(model: str = "smollm2") -> None:
     log("ready")
 
 
+def optimum_venv() -> Path:
+    """The venv with optimum-cli (build/peers/venv-optimum: optimum-onnx pins transformers 4,
+    beside torch's CPU wheel and onnxruntime), made now if missing; its bin folder."""
+    bin_dir = OPTIMUM_VENV / "bin"
+    if not (bin_dir / "optimum-cli").exists():
+        log("creating the optimum venv ...")
+        run([sys.executable, "-m", "venv", OPTIMUM_VENV])
+        run([bin_dir / "pip", "install", "--quiet", "torch==2.13.0", "optimum-onnx",
+             "onnxruntime"])
+    return bin_dir
+
+
 def setup_optimum() -> None:
     """optimum's export of the same SmolLM2 weights (`optimum-cli export onnx --task
     text-generation-with-past`, in its own venv: it pins transformers 4, which reads
     `rope_theta` where transformers 5 writes `rope_parameters`), compiled by dsc with the
     sample's draft."""
-    if not (OPTIMUM_VENV / "bin" / "optimum-cli").exists():
-        log("creating the optimum venv ...")
-        run([sys.executable, "-m", "venv", OPTIMUM_VENV])
-        run([OPTIMUM_VENV / "bin" / "pip", "install", "--quiet", "torch==2.13.0",
-             "optimum-onnx", "onnxruntime"])
+    optimum_venv()
     if not (OPTIMUM / "model.onnx").exists():
         hf4 = PEERS / "hf-transformers4"
         if not (hf4 / "config.json").exists():

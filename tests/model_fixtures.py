@@ -398,3 +398,33 @@ def build_more_archs(root: Path) -> dict[str, Path]:
             export_causal_lm(model, tmp / "main.onnx", "classic")
             tmp.rename(path.parent)
     return out
+
+
+# optimum's exporter itself (optimum-cli export onnx --task text-generation-with-past), in
+# its own venv (samples/peer_setup.optimum_venv: optimum-onnx pins transformers 4)
+OPTIMUM_ARCHS = {"llama": (0, 0, 0), "qwen3": (0, 0, 0), "phi3": (0, 0, 0),
+                 "mistral": (SLIDING_WINDOW,) * 3, "gemma3": (SLIDING_WINDOW,) * 5 + (0,)}
+
+
+def build_optimum_exports(root: Path) -> dict[str, Path]:
+    """{arch: model.onnx} of OPTIMUM_ARCHS as optimum exports them, built once into root."""
+    import subprocess
+    import sys
+
+    from peer_setup import optimum_venv
+
+    folder = root / "fixtures-optimum"
+    out = {arch: folder / arch / "model.onnx" for arch in OPTIMUM_ARCHS}
+    missing = [arch for arch, path in out.items() if not path.exists()]
+    if missing:
+        venv = optimum_venv()
+        hf = folder / "hf"
+        subprocess.run([str(venv / "python"), str(Path(__file__).with_name("optimum_models.py")),
+                        str(hf), *missing], check=True, capture_output=True)
+        for arch in missing:
+            tmp = out[arch].parent.with_suffix(".tmp")
+            subprocess.run([str(venv / "optimum-cli"), "export", "onnx", "--model",
+                            str(hf / f"{arch}-hf"), "--task", "text-generation-with-past",
+                            str(tmp)], check=True, capture_output=True)
+            tmp.rename(out[arch].parent)
+    return out

@@ -1,0 +1,36 @@
+"""Tiny random-init Hugging Face folders for optimum's exporter, written by the optimum venv's
+own transformers (4.x: its config keys, e.g. `rope_theta`, are what optimum reads). Run by
+model_fixtures.build_optimum_exports with that venv's python:
+
+    python tests/optimum_models.py OUT ARCH...
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import transformers as t
+
+COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+              initializer_range=0.25)
+CONFIGS = {
+    "llama": lambda: t.LlamaConfig(**COMMON, tie_word_embeddings=True),
+    "qwen3": lambda: t.Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True),
+    "phi3": lambda: t.Phi3Config(**COMMON, pad_token_id=0),
+    "mistral": lambda: t.MistralConfig(**COMMON, sliding_window=8),
+    "gemma3": lambda: t.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 6}, head_dim=16,
+                                         sliding_window=8),
+}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    for arch in sys.argv[2:]:
+        torch.manual_seed(1234)
+        t.AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval().save_pretrained(
+            str(out / f"{arch}-hf"))
+
+
+if __name__ == "__main__":
+    main()
