@@ -409,7 +409,6 @@ OPTIMUM_ARCHS = {"llama": (0, 0, 0), "qwen3": (0, 0, 0), "phi3": (0, 0, 0),
 def build_optimum_exports(root: Path) -> dict[str, Path]:
     """{arch: model.onnx} of OPTIMUM_ARCHS as optimum exports them, built once into root."""
     import subprocess
-    import sys
 
     from peer_setup import optimum_venv
 
