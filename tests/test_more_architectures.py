@@ -6,13 +6,14 @@ included (`dsc verify`'s check)."""
 from __future__ import annotations
 
 import pytest
+from arch_fixtures import MORE_ARCHS, build_more_archs
 
 from dspark.compiler.compile import CompileOptions
 from dspark.compiler.verify import verify_model
 from dspark.runtime.bundle.bundle import open_bundle
 
 from bundle_cache import compiled
-from model_fixtures import MORE_ARCHS, SLIDING_WINDOW, build_more_archs
+from model_fixtures import SLIDING_WINDOW
 
 LAYERS = {"smollm3": 4}
 WINDOWED = {"gemma2": (SLIDING_WINDOW, 0, SLIDING_WINDOW)}  # Gemma 2: every other layer

@@ -5,13 +5,13 @@ running model and verifies against the original at every position up to the bund
 from __future__ import annotations
 
 import pytest
+from arch_fixtures import OPTIMUM_ARCHS, build_optimum_exports
 
 from dspark.compiler.compile import CompileOptions
 from dspark.compiler.verify import verify_model
 from dspark.runtime.bundle.bundle import open_bundle
 
 from bundle_cache import compiled
-from model_fixtures import OPTIMUM_ARCHS, build_optimum_exports
 
 
 @pytest.fixture(scope="module")

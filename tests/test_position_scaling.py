@@ -7,6 +7,7 @@ switch the model is plain RoPE, and compiles and verifies exactly."""
 from __future__ import annotations
 
 import pytest
+from arch_fixtures import LONGROPE_SWITCH, build_longrope_fixtures
 
 from dspark.compiler.compile import CompileOptions
 from dspark.compiler.verify import verify_model
@@ -14,7 +15,6 @@ from dspark.runtime.bundle.bundle import open_bundle
 
 from bundle_cache import compiled
 from cli_helpers import run_dsc
-from model_fixtures import LONGROPE_SWITCH, build_longrope_fixtures
 
 
 @pytest.fixture(scope="module")

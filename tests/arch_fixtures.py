@@ -1,0 +1,138 @@
+"""Main models beyond the fixture pairs, built by code and cached like them: more
+architectures exported classic, a LongRoPE Phi-3 (dynamo and onnxruntime-genai's builder),
+and optimum's own exports (in its venv)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dspark.compiler.hf_export import export_causal_lm
+
+from model_fixtures import GENAI_BUILDER, SLIDING_WINDOW, VOCAB, _genai_tokenizer, recipe_hash
+
+LONGROPE_SWITCH = 256  # the Phi-3 LongRoPE fixture's original_max_position_embeddings
+
+
+def _longrope_model():
+    """A tiny Phi-3 with LongRoPE: other frequencies once the call's longest position passes
+    LONGROPE_SWITCH (Phi-3's 128k models; transformers picks them per forward)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(1234)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+            "long_factor": [4.0] * 8, "original_max_position_embeddings": LONGROPE_SWITCH}
+    return Phi3ForCausalLM(Phi3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        original_max_position_embeddings=LONGROPE_SWITCH, rope_parameters=rope,
+        initializer_range=0.25, pad_token_id=0, attn_implementation="sdpa")).eval()
+
+
+def build_longrope_fixtures(root: Path) -> dict[str, Path]:
+    """{"dynamo": main.onnx (torch.onnx dynamo: a Where between the two frequency sets),
+    "genai": a model folder (onnxruntime-genai's builder: an If between two rope caches)}."""
+    import subprocess
+    import sys
+
+    folder = root / f"fixtures-{recipe_hash()}" / "longrope"
+    out = {"dynamo": folder / "dynamo" / "main.onnx", "genai": folder / "genai"}
+    if not out["dynamo"].exists():
+        tmp = out["dynamo"].parent.with_suffix(".tmp")
+        export_causal_lm(_longrope_model(), tmp / "main.onnx", "dynamo")
+        tmp.rename(out["dynamo"].parent)
+    if not (out["genai"] / "genai_config.json").exists():
+        hf = folder / "hf"
+        if not (hf / "config.json").exists():
+            _longrope_model().save_pretrained(str(hf))
+            _genai_tokenizer(hf)
+        tmp = out["genai"].with_suffix(".tmp")
+        subprocess.run([sys.executable, str(GENAI_BUILDER), "-i", str(hf), "-o", str(tmp),
+                        "-p", "fp32", "-e", "cpu"], check=True, capture_output=True)
+        tmp.rename(out["genai"])
+    return out
+
+
+# More architectures, main models only, exported classic (eager, opset 17): each family's
+# own attention and rotary code as transformers writes it (q/k norms, fused projections,
+# rope scalings that do not switch on the length, layers without rope).
+MORE_ARCHS = ("qwen3", "qwen2", "phi3", "olmo2", "granite", "starcoder2", "smollm3",
+              "llama3-rope", "gemma2")
+
+
+def more_config(arch: str):
+    import transformers as t
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                  initializer_range=0.25, attn_implementation="eager")
+    if arch == "qwen3":  # a q/k norm per head, tied head
+        return t.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
+    if arch == "phi3":  # packed qkv and gate/up projections
+        return t.Phi3Config(**common, pad_token_id=0)
+    if arch == "olmo2":  # the q/k norm over all heads, norms after the blocks
+        return t.Olmo2Config(**common)
+    if arch == "granite":  # embedding, residual, attention and logits multipliers
+        return t.GraniteConfig(**common, embedding_multiplier=2.0, residual_multiplier=0.5,
+                               attention_multiplier=0.2, logits_scaling=4.0)
+    if arch == "starcoder2":  # biases, LayerNorm, a GELU MLP
+        return t.Starcoder2Config(**common, sliding_window=None)
+    if arch == "smollm3":  # every 4th layer without rope (NoPE)
+        return t.SmolLM3Config(**{**common, "num_hidden_layers": 4}, pad_token_id=0)
+    if arch == "llama3-rope":  # Llama 3.1's frequency-dependent rope scaling
+        return t.LlamaConfig(**common, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512})
+    if arch == "gemma2":  # sliding layers of 8, no soft-capping (that one is refused)
+        return t.Gemma2Config(**common, head_dim=16, sliding_window=SLIDING_WINDOW,
+                              attn_logit_softcapping=None, final_logit_softcapping=None)
+    if arch == "qwen2":
+        return t.Qwen2Config(**common)
+    raise ValueError(arch)
+
+
+def build_more_archs(root: Path) -> dict[str, Path]:
+    """{arch: main.onnx} for MORE_ARCHS, exported once per recipe into root."""
+    from transformers import AutoModelForCausalLM
+
+    folder = root / f"fixtures-{recipe_hash()}" / "more"
+    out = {arch: folder / arch / "main.onnx" for arch in MORE_ARCHS}
+    for arch, path in out.items():
+        if not path.exists():
+            torch.manual_seed(1234)
+            model = AutoModelForCausalLM.from_config(more_config(arch)).eval()
+            tmp = path.parent.with_suffix(".tmp")
+            export_causal_lm(model, tmp / "main.onnx", "classic")
+            tmp.rename(path.parent)
+    return out
+
+
+# optimum's exporter itself (optimum-cli export onnx --task text-generation-with-past), in
+# its own venv (samples/peer_setup.optimum_venv: optimum-onnx pins transformers 4)
+OPTIMUM_ARCHS = {"llama": (0, 0, 0), "qwen3": (0, 0, 0), "phi3": (0, 0, 0),
+                 "mistral": (SLIDING_WINDOW,) * 3, "gemma3": (SLIDING_WINDOW,) * 5 + (0,)}
+
+
+def build_optimum_exports(root: Path) -> dict[str, Path]:
+    """{arch: model.onnx} of OPTIMUM_ARCHS as optimum exports them, built once into root."""
+    import subprocess
+
+    from peer_setup import optimum_venv
+
+    folder = root / "fixtures-optimum"
+    out = {arch: folder / arch / "model.onnx" for arch in OPTIMUM_ARCHS}
+    missing = [arch for arch, path in out.items() if not path.exists()]
+    if missing:
+        venv = optimum_venv()
+        hf = folder / "hf"
+        subprocess.run([str(venv / "python"), str(Path(__file__).with_name("optimum_models.py")),
+                        str(hf), *missing], check=True, capture_output=True)
+        for arch in missing:
+            tmp = out[arch].parent.with_suffix(".tmp")
+            subprocess.run([str(venv / "optimum-cli"), "export", "onnx", "--model",
+                            str(hf / f"{arch}-hf"), "--task", "text-generation-with-past",
+                            str(tmp)], check=True, capture_output=True)
+            tmp.rename(out[arch].parent)
+    return out
