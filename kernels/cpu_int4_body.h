@@ -101,8 +101,9 @@ static inline __attribute__((always_inline)) TARGET VF NAME(scaled)(
    AVX2, one thread, new/old: the 8-bit head 0.82-0.90 at 2-9 rows, gate/up 0.93-0.96
    (docs/performance.md). AVX-512 without VNNI gained at 2-5 rows and lost from 9 rows up, so
    more rows than 6 take the whole block unpacked. AVX-VNNI, measured in its stand-in (the
-   same code with the EVEX instruction and 16 registers, on AVX-512 VNNI): 4-bit projections
-   0.91-0.97 at 4-9 rows, the 8-bit head 0.75-0.89. */
+   same code with the EVEX instruction and 16 registers, on AVX-512 VNNI), new/old: 4-bit
+   projections 0.93-0.96 at 2-3 rows and 0.80-0.85 at 5-9, the 8-bit head 0.71-0.93 at 2-9
+   rows (docs/performance.md). */
 #if INSIDE && VNNI && SPLIT8
 #error "rows inside the weights' loop: no form for 8-bit weights split in nibbles with a dot instruction"
 #endif
