@@ -21,6 +21,7 @@ from dspark.compiler.passes.gqa import (
     measured_window,
     replace_gqa,
 )
+from dspark.compiler.passes.length_switch import fold_length_switches
 from dspark.compiler.passes.optimize import load_full, optimize
 from dspark.compiler.passes.positions import check_per_token_positions
 from dspark.compiler.passes.probe import PROBE_SHAPES, Prober
@@ -127,6 +128,8 @@ def rewrite(graph: gs.Graph, contract: InputContract, role: str, progress: Progr
         "kv_outputs_detached": detach_kv_outputs(graph),
     }
     graph.cleanup()
+    counts["length_switches_folded"] = fold_length_switches(graph, contract, max_positions,
+                                                            contract.path)
     counts["inputs_bound"] = bind_removed_inputs(graph, set(contract.removed_inputs),
                                                  analysis.meanings, role, contract.path)
     graph.cleanup().toposort()

@@ -6,12 +6,18 @@ switch the model is plain RoPE, and compiles and verifies exactly."""
 
 from __future__ import annotations
 
+import numpy as np
+import onnx_graphsurgeon as gs
 import pytest
 from arch_fixtures import LONGROPE_SWITCH, build_longrope_fixtures
 
 from dspark.compiler.compile import CompileOptions
+from dspark.compiler.passes.length_switch import condition_subgraph
+from dspark.compiler.reference import OriginalModel
 from dspark.compiler.verify import verify_model
 from dspark.runtime.bundle.bundle import open_bundle
+from dspark.runtime.engine.engine import Engine
+from dspark.runtime.sequence.request import GenerationRequest
 
 from bundle_cache import compiled
 from cli_helpers import run_dsc
@@ -56,7 +62,53 @@ def test_one_position_past_the_switch_is_refused(capsys, longrope, tmp_path):
 
 
 def test_genai_longrope_build_is_refused_naming_its_if(capsys, longrope, tmp_path):
-    line = _refusal(run_dsc(capsys, "compile", longrope["genai"], "-o", tmp_path / "b.dsmodel"))
-    assert "model.onnx: node '" in line
-    assert "it decides If node '/model/rope_caches_subgraph/If'" in line
+    """onnxruntime-genai writes the switch as an If on the mask's length (rope_caches_subgraph)."""
+    line = _refusal(run_dsc(capsys, "compile", longrope["genai"], "-o", tmp_path / "b.dsmodel",
+                            "--max-seq-len", str(LONGROPE_SWITCH + 1)))
+    assert "model.onnx: layer 0: cannot prove the positions: If node " in line
+    assert "'/model/rope_caches_subgraph/If'" in line
+    assert f"once a sequence holds {LONGROPE_SWITCH + 1} tokens" in line
+    assert f"one branch up to --max-seq-len {LONGROPE_SWITCH}" in line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_genai_longrope_at_its_switch_folds_the_if_and_generates_the_originals_tokens(
+        longrope, tmp_path):
+    bundle = open_bundle(compiled(CompileOptions(longrope["genai"], None, tmp_path / "b.dsmodel",
+                                                 max_seq_len=LONGROPE_SWITCH, kv_budget_mb=8)))
+    report = verify_model(bundle, "main", longrope["genai"], seqs=3, steps=3)
+    assert report.ok(1e-3) and report.longest == LONGROPE_SWITCH, report
+    assert report.max_abs_diff <= 1e-4 and report.argmax_agree == 1.0, report
+    original = OriginalModel(longrope["genai"])
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(0, 300, n)] for n in (3, 40, LONGROPE_SWITCH - 41)]
+    refs = [original.greedy(p, 40) for p in prompts]
+    for speculative in (False, True):
+        seqs = Engine(bundle, "fixed", 4, max_batch=4).generate(
+            [GenerationRequest(tuple(p), 40, speculative=speculative, method="lookup")
+             for p in prompts])
+        assert [s.generated for s in seqs] == refs, speculative
+
+
+def test_an_if_on_the_caches_values_is_not_folded():
+    """Only conditions on shapes, the mask and the positions are run; one that reads the
+    cache's values is left to bind, which refuses it."""
+    past = gs.Variable("past_key_values.0.key", np.float32, [1, 1, "p", 4])
+    mask = gs.Variable("attention_mask", np.int64, [1, "t"])
+    on_shape = _condition([gs.Node("Shape", inputs=[mask])], "Gather", 1)
+    on_values = _condition([gs.Node("ReduceSum", inputs=[past], attrs={"keepdims": 0})],
+                           "Identity", None)
+    assert condition_subgraph(on_shape) is not None
+    assert condition_subgraph(on_values) is None
+
+
+def _condition(first: list[gs.Node], op: str, index: int | None) -> gs.Variable:
+    """first[0]'s output, through `op`, compared with a constant."""
+    head = gs.Variable("x")
+    first[0].outputs = [head]
+    picked = gs.Variable("y")
+    extra = [gs.Constant("i", np.array(index))] if index is not None else []
+    gs.Node(op, inputs=[head, *extra], outputs=[picked])
+    cond = gs.Variable("c", np.bool_)
+    gs.Node("Greater", inputs=[picked, gs.Constant("k", np.array(3.0))], outputs=[cond])
+    return cond

@@ -98,7 +98,7 @@ class _Subgraph:
         return None
 
 
-def _layer_reading(t: gs.Tensor) -> int | None:
+def layer_reading(t: gs.Tensor) -> int | None:
     """The first SpeculativeVerify layer downstream of `t`."""
     seen, todo = set(), [t]
     layers = []
@@ -128,7 +128,7 @@ def check_per_token_positions(graph: gs.Graph, max_positions: int, path: Path | 
     if mixed is None:
         return
     node = sub.producers[mixed.name]
-    layer = _layer_reading(mixed)
+    layer = layer_reading(mixed)
     stable = _longest_stable(sub, max_positions)
     where = f"layer {layer}: " if layer is not None else ""
     hint = (f"; every value is per token up to --max-seq-len {stable}" if stable else "")

@@ -33,8 +33,10 @@ class ProbeShape:
 PROBE_SHAPES = (ProbeShape(1, 5, 3), ProbeShape(1, 7, 4), ProbeShape(1, 9, 5))
 
 
-def feeds(contract: InputContract, shape: ProbeShape, ids: np.ndarray) -> dict[str, np.ndarray]:
-    """Inputs for the original model: `ids` [batch, new] after `past` random cached tokens."""
+def feeds(contract: InputContract, shape: ProbeShape, ids: np.ndarray,
+          only: set[str] | None = None) -> dict[str, np.ndarray]:
+    """Inputs for the original model: `ids` [batch, new] after `past` random cached tokens.
+    With `only`, just those inputs, and the cache as zeros (for graphs that read its shape)."""
     rng = np.random.default_rng(shape.past)
     kv = NUMPY_TYPES[contract.kv_dtype]
     out = {INPUT_IDS: ids.astype(NUMPY_TYPES.get(contract.input_ids_dtype, np.int64))}
@@ -47,8 +49,12 @@ def feeds(contract: InputContract, shape: ProbeShape, ids: np.ndarray) -> dict[s
         dims = (shape.batch, contract.num_kv_heads, contract.cache_rows(i, shape.past),
                 contract.head_dim)
         for kind in ("key", "value"):
-            out[past_name(i, kind)] = rng.standard_normal(dims).astype(kv)
-    return out
+            name = past_name(i, kind)
+            if only is None:
+                out[name] = rng.standard_normal(dims).astype(kv)
+            elif name in only:
+                out[name] = np.zeros(dims, kv)
+    return out if only is None else {k: v for k, v in out.items() if k in only}
 
 
 class Prober:
