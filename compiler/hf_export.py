@@ -7,7 +7,8 @@ Three forms: "classic" (eager attention, torch.onnx dynamo=False, opset 17:
 MatMul-Softmax-MatMul), "sdpa" (what optimum-cli writes: sdpa attention, dynamo=False, opset
 18: q and k each scaled by sqrt(scale), a NaN guard after the Softmax) and "dynamo" (sdpa,
 dynamo=True, opset 23: standard ONNX Attention nodes). The model's attention implementation
-must match (eager for classic, sdpa otherwise). Used by the samples and the test fixtures;
+must match (eager for classic, sdpa otherwise). A mixture-of-experts model is exported with
+its experts as batched matmuls. Used by the samples and the test fixtures;
 needs the dev extra (transformers, onnxscript).
 """
 
@@ -58,6 +59,13 @@ def kv_geometry(config) -> tuple[int, int, int]:
 def export_causal_lm(model: torch.nn.Module, path: Path, form: str) -> Path:
     """Write `model` (eval mode, attention implementation matching `form`) to `path`."""
     layers, kv_heads, head_dim = kv_geometry(model.config)
+    for module in model.modules():
+        if hasattr(module, "_is_expert_parallel"):  # transformers' mixture-of-experts layers
+            # The eager experts loop over the experts the trace's tokens hit (the classic
+            # exporter would bake that routing in) and grouped_mm needs histc, which no
+            # opset has; batched_mm gathers each token's experts' weights, the routing all
+            # tensor ops.
+            module.config._experts_implementation = "batched_mm"
     wrapper = _WithPast(model.eval(), layers)
     batch, new, past = 1, 3, 4
     ids = torch.randint(0, model.config.vocab_size, (batch, new))

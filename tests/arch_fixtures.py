@@ -58,7 +58,10 @@ def build_longrope_fixtures(root: Path) -> dict[str, Path]:
 # own attention and rotary code as transformers writes it (q/k norms, fused projections,
 # rope scalings that do not switch on the length, layers without rope).
 MORE_ARCHS = ("qwen3", "qwen2", "phi3", "olmo2", "granite", "starcoder2", "smollm3",
-              "llama3-rope", "gemma2")
+              "llama3-rope", "gemma2", "mixtral", "qwen3-moe", "gptj", "phi", "gpt-neox",
+              "falcon", "gpt2", "opt", "cohere")
+EXPORT_FORMS = {"cohere": "dynamo"}  # the classic exporter fails on it ("same rank")
+MIXTURES = ("mixtral", "qwen3-moe")  # 8 experts, 2 a token: a trace of 3 tokens misses some
 
 
 def more_config(arch: str):
@@ -90,6 +93,37 @@ def more_config(arch: str):
                               attn_logit_softcapping=None, final_logit_softcapping=None)
     if arch == "qwen2":
         return t.Qwen2Config(**common)
+    if arch == "gptj":  # rotary on the first 8 dims, pairs interleaved; the cache cast
+        return t.GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, rotary_dim=8,
+                            n_positions=4096, initializer_range=0.25,
+                            attn_implementation="eager")
+    if arch == "phi":  # Phi-2: half the head rotated, attention and MLP in parallel
+        return t.PhiConfig(**{k: v for k, v in common.items() if k != "num_key_value_heads"},
+                           partial_rotary_factor=0.5)
+    if arch == "gpt-neox":  # Pythia: a quarter rotated, packed qkv per head
+        return t.GPTNeoXConfig(**{k: v for k, v in common.items()
+                                  if k != "num_key_value_heads"}, rotary_pct=0.25)
+    if arch == "falcon":  # the new decoder: kv groups packed with their queries
+        return t.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
+                              num_attention_heads=4, new_decoder_architecture=True,
+                              num_kv_heads=2, initializer_range=0.25,
+                              attn_implementation="eager")
+    if arch == "gpt2":  # a learned position table, Conv1D projections
+        return t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=1024,
+                            initializer_range=0.25, attn_implementation="eager")
+    if arch == "opt":  # a learned position table read at the position + 2
+        return t.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=3,
+                           num_attention_heads=4, max_position_embeddings=1024,
+                           word_embed_proj_dim=64, init_std=0.25,
+                           attn_implementation="eager")
+    if arch == "cohere":  # interleaved rotary, LayerNorm without bias, parallel block
+        return t.CohereConfig(**{**common, "attn_implementation": "sdpa"})
+    if arch == "mixtral":
+        return t.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2,
+                               sliding_window=None)
+    if arch == "qwen3-moe":  # experts, a q/k norm
+        return t.Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=32, head_dim=16)
     raise ValueError(arch)
 
 
@@ -104,7 +138,7 @@ def build_more_archs(root: Path) -> dict[str, Path]:
             torch.manual_seed(1234)
             model = AutoModelForCausalLM.from_config(more_config(arch)).eval()
             tmp = path.parent.with_suffix(".tmp")
-            export_causal_lm(model, tmp / "main.onnx", "classic")
+            export_causal_lm(model, tmp / "main.onnx", EXPORT_FORMS.get(arch, "classic"))
             tmp.rename(path.parent)
     return out
 

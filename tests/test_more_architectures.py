@@ -5,11 +5,14 @@ included (`dsc verify`'s check)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from arch_fixtures import MORE_ARCHS, build_more_archs
+from arch_fixtures import MIXTURES, MORE_ARCHS, build_more_archs, more_config
 
 from dspark.compiler.compile import CompileOptions
+from dspark.compiler.hf_export import kv_geometry
 from dspark.compiler.verify import verify_model
+from dspark.runtime.model.sessions import make_session
 from dspark.runtime.bundle.bundle import open_bundle
 
 from bundle_cache import compiled
@@ -36,3 +39,27 @@ def test_it_compiles_and_verifies_exactly(mains, arch, tmp_path):
     report = verify_model(bundle, "main", mains[arch], seqs=3, steps=3)
     assert report.ok(1e-3) and report.longest == 512, report
     assert report.max_abs_diff <= 1e-3 and report.argmax_agree == 1.0, report
+
+
+@pytest.mark.parametrize("arch", MIXTURES)
+def test_a_mixture_of_experts_exports_its_routing_not_the_traces(mains, arch):
+    """Each token's experts are chosen inside the graph: the export's logits are the model's
+    for tokens that the export's trace never routed (its 3 tokens reach at most 6 of the 8
+    experts a layer)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(more_config(arch)).eval()
+    ids = np.random.default_rng(7).integers(0, model.config.vocab_size, (1, 40))
+    layers, kv_heads, head_dim = kv_geometry(model.config)
+    dims = (1, kv_heads, 0, head_dim)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    for i in range(layers):
+        feeds.update({f"past_key_values.{i}.{k}": np.zeros(dims, np.float32)
+                      for k in ("key", "value")})
+    session = make_session(mains[arch], level="none")
+    got = session.run(["logits"], feeds)[0]
+    with torch.no_grad():
+        want = model(torch.from_numpy(ids)).logits.numpy()
+    assert np.abs(got - want).max() < 1e-4

@@ -118,6 +118,10 @@ def _split_present(tensors: dict, contract: InputContract, layer: int, kind: str
                    ) -> tuple[gs.Variable, gs.Node]:
     present = tensors[present_name(layer, kind)]
     producer = present.inputs[0] if present.inputs else None
+    if (producer is not None and producer.op == "Cast"
+            and producer.attrs.get("to") == contract.kv_dtype and producer.inputs[0].inputs
+            and producer.inputs[0].inputs[0].op == "Concat"):
+        producer = producer.inputs[0].inputs[0]  # a cast of the cache to its own type (GPT-J)
     if producer is None:
         raise _unmappable(contract, layer, f"present.{layer}.{kind} has no producer")
     ok = (producer.op == "Concat" and len(producer.inputs) == 2
