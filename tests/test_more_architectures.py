@@ -12,8 +12,8 @@ from arch_fixtures import MIXTURES, MORE_ARCHS, build_more_archs, more_config
 from dspark.compiler.compile import CompileOptions
 from dspark.compiler.hf_export import kv_geometry
 from dspark.compiler.verify import verify_model
-from dspark.runtime.model.sessions import make_session
 from dspark.runtime.bundle.bundle import open_bundle
+from dspark.runtime.model.sessions import make_session
 
 from bundle_cache import compiled
 from model_fixtures import SLIDING_WINDOW
