@@ -146,7 +146,9 @@ def build_more_archs(root: Path) -> dict[str, Path]:
 # optimum's exporter itself (optimum-cli export onnx --task text-generation-with-past), in
 # its own venv (samples/peer_setup.optimum_venv: optimum-onnx pins transformers 4)
 OPTIMUM_ARCHS = {"llama": (0, 0, 0), "qwen3": (0, 0, 0), "phi3": (0, 0, 0),
-                 "mistral": (SLIDING_WINDOW,) * 3, "gemma3": (SLIDING_WINDOW,) * 5 + (0,)}
+                 "mistral": (SLIDING_WINDOW,) * 3, "gemma3": (SLIDING_WINDOW,) * 5 + (0,),
+                 "gpt2": (0, 0, 0), "qwen3-moe": (0, 0, 0), "gptj": (0, 0, 0),
+                 "phi": (0, 0, 0)}
 
 
 def build_optimum_exports(root: Path) -> dict[str, Path]:

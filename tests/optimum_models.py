@@ -21,6 +21,17 @@ CONFIGS = {
     "mistral": lambda: t.MistralConfig(**COMMON, sliding_window=8),
     "gemma3": lambda: t.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 6}, head_dim=16,
                                          sliding_window=8),
+    # its scale computed at run time from Shape(q)[-1:], a learned position table
+    "gpt2": lambda: t.GPT2Config(vocab_size=320, n_embd=64, n_layer=3, n_head=4,
+                                 n_positions=1024, initializer_range=0.25),
+    # each expert's tokens picked by NonZero: shapes that follow the routing
+    "qwen3-moe": lambda: t.Qwen3MoeConfig(**COMMON, num_experts=8, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, head_dim=16),
+    # the cache cast to its own type, 8 rotated dims
+    "gptj": lambda: t.GPTJConfig(vocab_size=320, n_embd=64, n_layer=3, n_head=4, rotary_dim=8,
+                                 n_positions=4096, initializer_range=0.25),
+    "phi": lambda: t.PhiConfig(**{k: v for k, v in COMMON.items() if k != "num_key_value_heads"},
+                               partial_rotary_factor=0.5),
 }
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import onnx_graphsurgeon as gs
 
 from dspark.compiler.contract import InputContract, past_name, present_name
+from dspark.compiler.passes.static_value import static_scalar
 from dspark.runtime.errors import UnmappableAttentionError
 
 LAYOUT_OPS = frozenset({"Unsqueeze", "Expand", "Reshape", "Transpose", "Identity", "Squeeze"})
@@ -62,9 +63,11 @@ def _unmappable(contract: InputContract, layer: int, why: str) -> UnmappableAtte
 
 
 def scalar(t: gs.Tensor) -> float | None:
+    """t's value if it is one number: a constant, or computed from constants and static
+    dims (optimum's GPT-2 computes its scale from the head dim at run time)."""
     if isinstance(t, gs.Constant) and t.values.size == 1:
         return float(t.values.reshape(()))
-    return None
+    return static_scalar(t)
 
 
 def _scale_step(n: gs.Node, t: gs.Tensor) -> float | None:

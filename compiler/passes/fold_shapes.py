@@ -24,29 +24,57 @@ from dspark.compiler.passes.graph_util import replace_uses
 
 _INT_TYPES = (np.dtype(np.int64), np.dtype(np.int32))
 _SOURCES = ("Shape", "Size")
+# Ops whose output shape follows their input values, not their input shapes (a mixture of
+# experts' routing: NonZero picks each expert's tokens), and the inputs by which the
+# shape-taking ops set their output's shape.
+_DATA_SHAPED = ("NonZero", "Unique", "Compress", "NonMaxSuppression", "Loop", "Scan", "If")
+_SHAPE_ARGS = {"Reshape": (1,), "Expand": (1,), "Slice": (1, 2, 3, 4), "Range": (0, 1, 2),
+               "ConstantOfShape": (0,), "Tile": (1,), "Pad": (1,), "TopK": (1,),
+               "OneHot": (1,), "Resize": (3,), "Split": (1,)}
+
+
+def _live(node: gs.Node) -> list[gs.Variable]:
+    return [t for t in node.inputs if isinstance(t, gs.Variable) and t.name]
+
+
+def _shapes(graph: gs.Graph) -> tuple[set[str], set[str]]:
+    """(tensors computed only from shapes of tensors whose shapes follow the inputs' shapes,
+    and constants; tensors whose shapes follow values)."""
+    graph.toposort()
+    derived: set[str] = set()
+    by_data: set[str] = set()
+    for node in graph.nodes:
+        live = _live(node)
+        args = [node.inputs[i] for i in _SHAPE_ARGS.get(node.op, ()) if i < len(node.inputs)]
+        if (node.op in _DATA_SHAPED or any(t.name in by_data for t in live)
+                or any(isinstance(t, gs.Variable) and t.name and t.name not in derived
+                       for t in args)):
+            by_data.update(t.name for t in node.outputs)
+        if node.op in _SOURCES:
+            if live and live[0].name not in by_data:
+                derived.update(t.name for t in node.outputs)
+        elif live and all(t.name in derived for t in live):
+            derived.update(t.name for t in node.outputs)
+    return derived, by_data
 
 
 def shape_derived(graph: gs.Graph) -> dict[str, int]:
-    """Integer tensors computed only from tensor shapes and constants: name -> onnx type."""
-    graph.toposort()
-    derived: set[str] = set()
-    out = {}
-    for node in graph.nodes:
-        live = [t for t in node.inputs if isinstance(t, gs.Variable) and t.name]
-        if node.op not in _SOURCES and not (live and all(t.name in derived for t in live)):
-            continue
-        for t in node.outputs:
-            derived.add(t.name)
-            if t.dtype is not None and np.dtype(t.dtype) in _INT_TYPES:
-                out[t.name] = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype))
-    return out
+    """Integer tensors computed only from tensor shapes and constants: name -> onnx type.
+    Shapes that follow values (a NonZero's, and everything computed from one) are left out:
+    the probes would see whatever their data happened to route."""
+    derived, _ = _shapes(graph)
+    return {t.name: onnx.helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype))
+            for n in graph.nodes for t in n.outputs
+            if t.name in derived and t.dtype is not None and np.dtype(t.dtype) in _INT_TYPES}
 
 
 def reshaped(graph: gs.Graph) -> dict[str, int]:
-    """Outputs of Reshapes whose target is computed: name -> onnx type (probe their shapes)."""
+    """Outputs of Reshapes whose target is computed from shapes that follow the inputs'
+    shapes: name -> onnx type (probe their shapes)."""
+    _, by_data = _shapes(graph)
     return {n.outputs[0].name: onnx.helper.np_dtype_to_tensor_dtype(np.dtype(n.outputs[0].dtype))
             for n in graph.nodes if n.op == "Reshape" and isinstance(n.inputs[1], gs.Variable)
-            and n.outputs[0].dtype is not None}
+            and n.outputs[0].dtype is not None and n.outputs[0].name not in by_data}
 
 
 def reshape_target(shapes: list[tuple[int, ...]]) -> np.ndarray | None:
