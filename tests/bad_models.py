@@ -165,3 +165,22 @@ def softcapped_gqa_model(folder: Path, dest: Path, layer: int = 1) -> Path:
             a.f = 50.0
     onnx.save(model, str(dest / "model.onnx"))
     return dest
+
+
+def unrunnable_model(src: Path, path: Path) -> Path:
+    """The eager export with its logits passed through Reshape(., [7, -1]) and back: it loads,
+    and onnxruntime fails once the compiler's probes run it (6 tokens x 320 logits)."""
+    graph = gs.import_onnx(onnx.load(str(src)))
+    logits = next(t for t in graph.outputs if t.name == "logits")
+    made = logits.inputs[0]
+    inner = gs.Variable("/bad/logits", dtype=np.float32)
+    made.outputs = [inner if t is logits else t for t in made.outputs]
+    shape, folded = gs.Variable("/bad/shape", dtype=np.int64), gs.Variable("/bad/folded",
+                                                                              dtype=np.float32)
+    graph.nodes += [
+        gs.Node("Shape", "/bad/Shape", inputs=[inner], outputs=[shape]),
+        gs.Node("Reshape", "/bad/Reshape", inputs=[inner, gs.Constant(
+            "/bad/seven", np.array([7, -1], np.int64))], outputs=[folded]),
+        gs.Node("Reshape", "/bad/Back", inputs=[folded, shape], outputs=[logits])]
+    onnx.save(gs.export_onnx(graph.toposort()), str(path))
+    return path

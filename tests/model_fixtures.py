@@ -116,7 +116,8 @@ def build_fixtures(root: Path) -> dict[tuple[str, str], tuple[Path, Path]]:
 # tied head; phi3: packed projections in the checkpoint
 GENAI = {"llama-fp32": ("llama", "fp32"), "llama-int4": ("llama", "int4"),
          "qwen2-fp32": ("qwen2", "fp32"), "gemma3-fp32": ("gemma3", "fp32"),
-         "qwen3-fp32": ("qwen3", "fp32"), "phi3-fp32": ("phi3", "fp32")}
+         "qwen3-fp32": ("qwen3", "fp32"), "phi3-fp32": ("phi3", "fp32"),
+         "gemma2-fp32": ("gemma2", "fp32"), "granite-fp32": ("granite", "fp32")}
 GENAI_BUILDER = Path(__file__).resolve().parents[1] / "samples" / "genai_builder.py"
 
 
@@ -131,7 +132,7 @@ def _genai_model(arch: str):
         return LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True)).eval()
     if arch == "gemma3":
         return _model_class(arch)(_config(arch, MAIN_LAYERS[arch], "eager")).eval()
-    if arch in ("qwen3", "phi3"):
+    if arch in ("qwen3", "phi3", "gemma2", "granite"):
         from arch_fixtures import more_config
         from transformers import AutoModelForCausalLM
 

@@ -114,6 +114,15 @@ def test_blocked_match_names_the_node_that_blocks_it(capsys, fixture_pairs, outd
     _only(model, ["guard.onnx"])
 
 
+def test_a_model_onnxruntime_cannot_run_is_refused_naming_the_file(capsys, llama, outdir):
+    """onnxruntime loads it but fails in the compiler's probes (as genai's builder writes a
+    GroupQueryAttention whose rotary dims it cannot run): one line, not an internal error."""
+    model = bad_models.unrunnable_model(llama[0], outdir / "unrunnable.onnx")
+    r = run_dsc(capsys, "compile", model, llama[1], "-o", outdir / "b.dsmodel")
+    _refused(r, "unrunnable.onnx", "onnxruntime cannot run it", "cannot be reshaped")
+    _only(model, ["unrunnable.onnx"])
+
+
 def test_output_exists_without_force(capsys, llama, outdir):
     (outdir / "b.dsmodel").mkdir()
     (outdir / "b.dsmodel" / "keep.txt").write_text("mine")

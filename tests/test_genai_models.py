@@ -26,7 +26,8 @@ from bundle_cache import compiled
 from model_fixtures import GENAI, SLIDING_WINDOW, build_genai_fixtures
 
 WINDOWS = {"llama": (0, 0, 0), "qwen2": (0, SLIDING_WINDOW, SLIDING_WINDOW),
-           "gemma3": (SLIDING_WINDOW,) * 5 + (0,), "qwen3": (0, 0, 0), "phi3": (0, 0, 0)}
+           "gemma3": (SLIDING_WINDOW,) * 5 + (0,), "qwen3": (0, 0, 0), "phi3": (0, 0, 0),
+           "gemma2": (SLIDING_WINDOW, 0, SLIDING_WINDOW), "granite": (0, 0, 0)}
 
 
 @pytest.fixture(scope="module")

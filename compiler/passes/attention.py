@@ -225,7 +225,8 @@ def _eager(chain_k: _Chain, chain_v: _Chain, k_new, v_new, contract, layer) -> A
     if score.op != "MatMul" or score.inputs[1] is not chain_k.fed:
         raise fail(f"present.{layer}.key feeds {score.op} node '{score.name}', not a score MatMul")
     if chain_k.perms != [SWAP_LAST]:
-        raise fail(f"key path transposes {chain_k.perms}, expected one swap of the last two axes")
+        raise fail(f"the key's path to MatMul node '{score.name}' transposes {chain_k.perms}, "
+                   "expected one swap of the last two axes")
     softmax, factor, mask = _scores_to_softmax(score, fail)
     t = _probabilities(softmax.outputs[0])
     out_mm = chain_v.end

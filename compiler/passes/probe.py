@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 
 from dspark.compiler.contract import ATTENTION_MASK, NUMPY_TYPES, InputContract, past_name
 from dspark.runtime.bundle.spec import INPUT_IDS, LOGITS, POSITION_IDS
@@ -57,6 +58,16 @@ def feeds(contract: InputContract, shape: ProbeShape, ids: np.ndarray,
     return out if only is None else {k: v for k, v in out.items() if k in only}
 
 
+_QUIET = ort.RunOptions()
+_QUIET.log_severity_level = 4  # a failing run is reported once, as the compile's error line
+
+
+def _first_line(e: Exception) -> str:
+    """onnxruntime's message without its source location prefix."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text.split("Status Message: ", 1)[-1]
+
+
 class Prober:
     """The original model in onnxruntime with chosen intermediate tensors exposed."""
 
@@ -78,7 +89,12 @@ class Prober:
         if ids is None:
             rng = np.random.default_rng(shape.new)
             ids = rng.integers(0, min(self.vocab_size, 1000), (shape.batch, shape.new))
-        out = self.session.run(names, feeds(self.contract, shape, ids))
+        try:
+            out = self.session.run(names, feeds(self.contract, shape, ids), _QUIET)
+        except Exception as e:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors
+            raise ModelInputError(
+                f"{self.contract.path}: onnxruntime cannot run it ({shape.past} cached tokens, "
+                f"{shape.new} new): {_first_line(e)}") from None
         return dict(zip(names, out))
 
     def run_all(self, names: list[str]) -> list[dict[str, np.ndarray]]:
