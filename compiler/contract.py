@@ -17,7 +17,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from dspark.runtime.bundle.spec import INPUT_IDS, LOGITS, POSITION_IDS
-from dspark.runtime.errors import ModelInputError
+from dspark.runtime.errors import ModelInputError, UnmappableAttentionError
 
 ATTENTION_MASK = "attention_mask"
 NUMPY_TYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
@@ -149,6 +149,7 @@ def check_contract(path: Path, model: onnx.ModelProto) -> InputContract:
     if heads and not head_dim and len(key.type.tensor_type.shape.dim) == 4:
         head_dim = fused_head_dim(g)
     if not heads or not head_dim:
+        _refuse_contrib_attention(path, g)
         raise ModelInputError(
             f"{path}: past_key_values.0.key must be 4-D [batch, kv_heads, past, head_dim] "
             "with static kv_heads and head_dim (or a symbolic head_dim that its "
@@ -183,6 +184,21 @@ def _window_caches(g: onnx.GraphProto, layers: int) -> tuple[int, ...]:
 def _static_last(vi: onnx.ValueInfoProto) -> int | None:
     dims = vi.type.tensor_type.shape.dim
     return dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
+
+
+def _refuse_contrib_attention(path: Path, g: onnx.GraphProto) -> None:
+    """onnxruntime-genai's fp16 CPU builds run MultiHeadAttention (com.microsoft), which has no
+    rewrite here: refused by name, not for the cache dims it leaves symbolic."""
+    node = next((n for n in g.node if n.op_type in _UNMAPPED_CONTRIB
+                 and n.domain == "com.microsoft"), None)
+    if node is not None:
+        raise UnmappableAttentionError(
+            f"{path}: cannot map attention: {node.op_type} node '{node.name}' "
+            "(onnxruntime-genai writes it for fp16 on CPU) is not supported; build the model "
+            "fp32 or int4 (-p fp32 / -p int4), whose GroupQueryAttention is")
+
+
+_UNMAPPED_CONTRIB = ("MultiHeadAttention", "Attention", "DecoderMaskedMultiHeadAttention")
 
 
 def fused_head_dim(g: onnx.GraphProto) -> int | None:
