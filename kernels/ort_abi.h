@@ -124,13 +124,20 @@ static inline int shape_of(const OrtValue *value, Shape *shape) {
   return good;
 }
 
+/* Input i's data (NULL if it is missing), its shape into `shape` if given. An empty tensor
+   (a mixture of experts' expert that no token picked) may have no buffer; its callers read
+   nothing from it, so it gets a valid address all the same. */
 static inline const void *input(OrtKernelContext *ctx, size_t i, Shape *shape) {
+  static const int64_t empty[1] = {0};
   const OrtValue *value = NULL;
   void *data = NULL;
+  Shape local;
   if (!ok(ORT(KERNEL_CONTEXT_GET_INPUT, GetInputFn)(ctx, i, &value)) || value == NULL) return NULL;
   if (shape != NULL && !shape_of(value, shape)) return NULL;
   if (!ok(ORT(GET_TENSOR_MUTABLE_DATA, MutableDataFn)((OrtValue *)value, &data))) return NULL;
-  return data;
+  if (data != NULL) return data;
+  if (shape == NULL && !shape_of(value, &local)) return NULL;
+  return (shape != NULL ? shape : &local)->count == 0 ? (const void *)empty : NULL;
 }
 
 /* Descriptor callbacks every CPU op here shares: kernels freed with free(), the CPU provider,

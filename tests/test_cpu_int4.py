@@ -233,3 +233,21 @@ def test_bad_weights_are_refused(library):
         _op_session(library, 128, 8, wide).run(None, {"x": np.ones((1, 128), np.float32)})
     with pytest.raises(INVALID, match="MatMulInt4: x must be"):
         _op_session(library, 128, 8, packed).run(None, {"x": np.ones((1, 64), np.float32)})
+
+
+def test_no_rows_give_no_rows(library):
+    """A mixture of experts' expert that no token of a forward picked: x [0, K], made inside
+    the graph (onnxruntime gives such a tensor no buffer)."""
+    rng = np.random.default_rng(5)
+    b, scales = _weights(rng, 64, 16, 4)
+    zero = numpy_helper.from_array(np.array([0], np.int64), "zero")
+    nodes = [helper.make_node("Slice", ["rows", "zero", "zero", "zero"], ["x"]),
+             helper.make_node("MatMulInt4", ["x", "w"], ["y"], domain="ai.dspark", K=64, N=16)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("rows", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(pack_groups(b, scales, 64, 16), "w"), zero])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("ai.dspark", 1)])
+    session = make_session(model.SerializeToString(), custom_ops=library)
+    assert session.run(None, {"rows": np.ones((3, 64), np.float32)})[0].shape == (0, 16)

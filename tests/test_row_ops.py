@@ -175,3 +175,18 @@ def test_a_scale_of_the_wrong_length_is_refused(library):
     with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument,
                        match="scale must hold"):
         session.run(None, {"x": np.ones((2, 8), np.float32)})
+
+
+def test_no_rows_give_no_rows(library):
+    """A mixture of experts' expert that no token of a forward picked: x [0, dim], made inside
+    the graph (onnxruntime gives such a tensor no buffer)."""
+    dim = 16
+    zero = numpy_helper.from_array(np.array([0], np.int64), "zero")
+    empty = helper.make_node("Slice", ["rows", "zero", "zero", "zero"], ["x"])
+    for op, inputs, outputs in (("RmsNorm", ["x", "w"], ["y"]), ("Silu", ["x"], ["y"]),
+                                ("SkipRmsNorm", ["x", "x", "w"], ["y", "sum"])):
+        model = _model([empty, helper.make_node(op, inputs, outputs, domain="ai.dspark",
+                                                **({} if op == "Silu" else {"epsilon": EPS}))],
+                       ["rows"], dim, [numpy_helper.from_array(np.ones(dim, np.float32), "w"),
+                                       zero], opsets=(("", 17), ("ai.dspark", 1)))
+        assert _run(model, library, {"rows": np.ones((3, dim), np.float32)}).shape == (0, dim)
