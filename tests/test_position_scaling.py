@@ -112,3 +112,32 @@ def _condition(first: list[gs.Node], op: str, index: int | None) -> gs.Variable:
     cond = gs.Variable("c", np.bool_)
     gs.Node("Greater", inputs=[picked, gs.Constant("k", np.array(3.0))], outputs=[cond])
     return cond
+
+
+def test_an_if_on_the_masks_values_is_folded_below_its_switch_and_refused_past_it(
+        capsys, longrope, tmp_path):
+    """The genai build with its If decided by ReduceSum(attention_mask) > 256 (the mask's
+    values, not its shape): those are run too, as the runtime fixes them (all ones)."""
+    import shutil
+
+    import onnx
+
+    folder = tmp_path / "on-values"
+    shutil.copytree(longrope["genai"], folder)
+    graph = gs.import_onnx(onnx.load(str(folder / "model.onnx")))
+    switch = next(n for n in graph.nodes if n.op == "If")
+    mask = next(t for t in graph.inputs if t.name == "attention_mask")
+    total, cond = gs.Variable("/test/total", np.int64), gs.Variable("/test/cond", np.bool_)
+    graph.nodes += [
+        gs.Node("ReduceSum", "/test/ReduceSum", {"keepdims": 0}, [mask], [total]),
+        gs.Node("Greater", "/test/Greater", inputs=[
+            total, gs.Constant("/test/switch", np.array(LONGROPE_SWITCH))], outputs=[cond])]
+    switch.inputs[0] = cond
+    onnx.save(gs.export_onnx(graph.cleanup().toposort()), str(folder / "model.onnx"))
+    line = _refusal(run_dsc(capsys, "compile", folder, "-o", tmp_path / "b.dsmodel"))
+    assert (f"If node '{switch.name}' takes its other branch once a sequence holds "
+            f"{LONGROPE_SWITCH + 1} tokens") in line
+    bundle = open_bundle(compiled(CompileOptions(folder, None, tmp_path / "c.dsmodel",
+                                                 max_seq_len=LONGROPE_SWITCH, kv_budget_mb=8)))
+    report = verify_model(bundle, "main", folder, seqs=3, steps=3)
+    assert report.max_abs_diff <= 1e-4 and report.argmax_agree == 1.0, report

@@ -1,5 +1,5 @@
-"""Fold the If nodes that switch on a sequence's length, where the bundle never reaches
-the switch.
+"""Fold the If nodes that switch on a sequence's length (or its positions), where the bundle
+never reaches the switch.
 
 onnxruntime-genai writes LongRoPE (Phi-3's 128k models) as an If between two rope caches,
 decided by the attention mask's length: a call whose sequence holds more than the original
@@ -52,8 +52,10 @@ def condition_subgraph(cond: gs.Tensor) -> tuple[list[gs.Node], set[str]] | None
         node = t.inputs[0]
         if node.op in _CONTROL:
             return None
-        nodes.append(node)
-        todo.extend(node.inputs)
+        if id(node) not in seen:
+            seen.add(id(node))
+            nodes.append(node)
+            todo.extend(node.inputs)
     for name, t in inputs.items():
         readers = [n for n in nodes if any(x is t for x in n.inputs)]
         if name not in _VALUES_KNOWN and any(n.op != "Shape" for n in readers):
@@ -118,7 +120,7 @@ def fold_length_switches(graph: gs.Graph, contract: InputContract, max_positions
     """Replace each If decided by the sequence's length by the branch it takes for every
     length up to `max_positions`; refuse (UnmappableAttentionError) one that switches below
     it, naming the layer, the If and the longest --max-seq-len at which it does not."""
-    dirty = {t.name for t in tainted(graph, set(contract.removed_inputs))}
+    dirty = {t.name for t in tainted(graph, {*contract.removed_inputs, POSITION_IDS})}
     ifs, nodes, reads = [], [], set()
     for node in graph.nodes:
         if node.op != "If" or not node.inputs or node.inputs[0].name not in dirty:
@@ -127,7 +129,7 @@ def fold_length_switches(graph: gs.Graph, contract: InputContract, max_positions
         if found is None:
             continue
         ifs.append(node)
-        nodes.extend(n for n in found[0] if n not in nodes)
+        nodes.extend(n for n in found[0] if all(n is not m for m in nodes))
         reads |= found[1]
     if not ifs:
         return 0
