@@ -70,8 +70,11 @@ def _value(t: gs.Tensor, depth: int) -> np.ndarray | None:
     x = inputs[0]
     if node.op == "Slice":
         return _slice(node, x)
-    if node.op == "Gather" and inputs[1] is not None and x.ndim == 1:
-        return np.take(x, _known(inputs[1]))
+    if node.op == "Gather":
+        index = _known(inputs[1])
+        if index is None or x.ndim != 1:
+            return None
+        return np.asarray(np.take(x, index), dtype=x.dtype)
     if node.op in ("Squeeze", "Unsqueeze", "Reshape", "Concat") or node.op in _BINARY:
         if any(v is None for v in inputs):
             return None
