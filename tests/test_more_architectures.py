@@ -63,3 +63,18 @@ def test_a_mixture_of_experts_exports_its_routing_not_the_traces(mains, arch):
     with torch.no_grad():
         want = model(torch.from_numpy(ids)).logits.numpy()
     assert np.abs(got - want).max() < 1e-4
+
+
+def test_a_position_table_shorter_than_the_limit_is_refused_with_its_length(capsys, mains,
+                                                                             tmp_path):
+    """GPT-2's 1024 learned positions at the default --max-seq-len 2048: one line, the file
+    named once, onnxruntime's reason and the longest length that runs."""
+    from cli_helpers import run_dsc
+
+    r = run_dsc(capsys, "compile", mains["gpt2"], "-o", tmp_path / "b.dsmodel")
+    assert r.code == 2 and "Traceback" not in r.err, r.err
+    line = r.err.strip().splitlines()[-1]
+    assert "the model does not run at 2048 positions (onnxruntime: indices" in line
+    assert "compile with --max-seq-len 1024 or less" in line
+    assert line.count(str(mains["gpt2"])) == 1
+    assert not (tmp_path / "b.dsmodel").exists()

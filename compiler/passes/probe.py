@@ -62,6 +62,15 @@ _QUIET = ort.RunOptions()
 _QUIET.log_severity_level = 4  # a failing run is reported once, as the compile's error line
 
 
+class ProbeRunError(ModelInputError):
+    """onnxruntime failed to run the original at a probe's shape; `reason` is its message."""
+
+    def __init__(self, path: Path, shape: ProbeShape, reason: str):
+        super().__init__(f"{path}: onnxruntime cannot run it ({shape.past} cached tokens, "
+                         f"{shape.new} new): {reason}")
+        self.reason = reason
+
+
 def _first_line(e: Exception) -> str:
     """onnxruntime's message without its source location prefix."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -92,9 +101,7 @@ class Prober:
         try:
             out = self.session.run(names, feeds(self.contract, shape, ids), _QUIET)
         except Exception as e:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors
-            raise ModelInputError(
-                f"{self.contract.path}: onnxruntime cannot run it ({shape.past} cached tokens, "
-                f"{shape.new} new): {_first_line(e)}") from None
+            raise ProbeRunError(self.contract.path, shape, _first_line(e)) from None
         return dict(zip(names, out))
 
     def run_all(self, names: list[str]) -> list[dict[str, np.ndarray]]:

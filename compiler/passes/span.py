@@ -28,7 +28,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from dspark.compiler.passes.attention import AttentionMatch, SpanSource
-from dspark.compiler.passes.probe import PROBE_SHAPES, Prober, ProbeShape
+from dspark.compiler.passes.probe import PROBE_SHAPES, Prober, ProbeRunError, ProbeShape
 from dspark.runtime.errors import ModelInputError, UnmappableAttentionError
 
 MASKED = 1e4  # how far below its score a masked key must be pushed (exp(-1e4) is 0)
@@ -155,8 +155,8 @@ def _runs(prober: Prober, length: int) -> str | None:
     """None if the model runs with `length` positions, else onnxruntime's first line."""
     try:
         prober.run([], ProbeShape(1, length - LONG_NEW, LONG_NEW))
-    except Exception as e:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors
-        return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    except ProbeRunError as e:
+        return e.reason
     return None
 
 
