@@ -17,6 +17,7 @@ from dspark.compiler.contract import (
     model_file,
     past_name,
 )
+from dspark.compiler.passes.token_quant import per_token_quantized
 from dspark.runtime.bundle.spec import INPUT_IDS, LOGITS, POSITION_IDS
 from dspark.runtime.model.sessions import make_session
 
@@ -31,10 +32,17 @@ class Past(list):
 
 
 class OriginalModel:
-    def __init__(self, path: Path, session=None):
-        """`session`: an onnxruntime session of `path` made elsewhere (default: shared pool)."""
-        path = model_file(path)
-        self.contract = check_contract(path, load_header(path))
+    def __init__(self, path: Path, session=None, token_by_token: bool | None = None):
+        """`session`: an onnxruntime session of `path` made elsewhere (default: shared pool);
+        `token_by_token`: run every chunk a token at a time (default: where the model
+        quantizes activations per tensor)."""
+        self.path = path = model_file(path)
+        header = load_header(path)
+        self.contract = check_contract(path, header)
+        # activations quantized per tensor: causal only a token at a time, which is the
+        # function the bundle computes for any chunk (passes/token_quant.py)
+        self.token_by_token = (per_token_quantized(header) if token_by_token is None
+                               else token_by_token)
         self.session = session or make_session(path, level="all")
         c = self.contract
         self.present = [f"present.{i}.{k}" for i in range(c.num_layers) for k in ("key", "value")]
@@ -47,6 +55,15 @@ class OriginalModel:
 
     def forward(self, ids: list[int], past: Past) -> tuple[np.ndarray, Past]:
         """Logits [len(ids), vocab] and the new past, for one sequence."""
+        if self.token_by_token and len(ids) > 1:
+            rows = []
+            for token in ids:
+                row, past = self._forward([token], past)
+                rows.append(row)
+            return np.concatenate(rows), past
+        return self._forward(ids, past)
+
+    def _forward(self, ids: list[int], past: Past) -> tuple[np.ndarray, Past]:
         c = self.contract
         cached, n = past.positions, len(ids)
         feeds = {INPUT_IDS: np.array([ids], dtype=NUMPY_TYPES.get(c.input_ids_dtype, np.int64))}
