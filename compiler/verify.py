@@ -44,7 +44,7 @@ import numpy as np
 import onnx
 
 from dspark.compiler.contract import model_file
-from dspark.compiler.passes.token_quant import make_per_token
+from dspark.compiler.passes.token_quant import per_token_model
 from dspark.compiler.reference import OriginalModel
 from dspark.runtime.bundle.bundle import Bundle
 from dspark.runtime.bundle.spec import ModelSpec
@@ -159,7 +159,7 @@ def _whole(original: OriginalModel) -> OriginalModel:
     if not original.token_by_token:
         return original
     model = onnx.load(str(original.path))
-    make_per_token(model, original.path, jitter=JITTER)
+    per_token_model(model, original.contract, original.path, jitter=JITTER)
     return OriginalModel(original.path, make_session(model.SerializeToString(), level="all"),
                          token_by_token=False)
 

@@ -172,3 +172,26 @@ def build_optimum_exports(root: Path) -> dict[str, Path]:
                             str(tmp)], check=True, capture_output=True)
             tmp.rename(out[arch].parent)
     return out
+
+
+def build_optimum_quantized(root: Path) -> dict[str, Path]:
+    """optimum's dynamic int8 quantization of its Llama export (tests/optimum_quantize.py):
+    {"all": every MatMul quantized, the attention's too; "no-attention": those left out}."""
+    import shutil
+    import subprocess
+
+    from peer_setup import optimum_venv
+
+    export = build_optimum_exports(root)["llama"].parent
+    folder = root / "fixtures-optimum-int8"
+    out = {kind: folder / kind / "model_quantized.onnx" for kind in ("all", "no-attention")}
+    for kind, path in out.items():
+        if path.exists():
+            continue
+        tmp = path.parent.with_suffix(".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        subprocess.run([str(optimum_venv() / "python"),
+                        str(Path(__file__).with_name("optimum_quantize.py")), str(export),
+                        str(tmp), kind], check=True, capture_output=True)
+        tmp.rename(path.parent)
+    return out

@@ -12,7 +12,8 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import QuantType, quantize_dynamic
 
 from dspark.compiler.compile import CompileOptions
-from dspark.compiler.passes.token_quant import make_per_token
+from dspark.compiler.passes.token_axes import TokenAxis, quantizers
+from dspark.compiler.passes.token_quant import make_per_token, split_fused
 from dspark.compiler.reference import OriginalModel
 from dspark.compiler.verify import verify_model
 from dspark.runtime.bundle.bundle import open_bundle
@@ -59,6 +60,13 @@ def _session(model: onnx.ModelProto):
     return make_session(model.SerializeToString(), level="all")
 
 
+def _per_token(model: onnx.ModelProto, axis: int = 0, shape: tuple = (1, K)) -> int:
+    """The pass with every quantized input's tokens on `axis` (what token_axes probes)."""
+    split_fused(model)
+    return make_per_token(model, "p.onnx", {n.output[0]: TokenAxis(axis, shape)
+                                            for n in quantizers(model)})
+
+
 def _rows(rng: np.random.Generator, kind: int) -> np.ndarray:
     """Rows of every sort the quantizer treats apart: signed, all above or below zero, all
     zero, on a coarse grid (ties in x / scale), integers over 7."""
@@ -81,7 +89,7 @@ def test_per_token_form_is_the_original_a_row_at_a_time(weights, form):
         wzp = rng.integers(0, 256, N).astype(np.uint8)
     original = _session(_projection(w, wzp, form=form))
     model = _projection(w, wzp, form=form)
-    assert make_per_token(model, "p.onnx") == 1
+    assert _per_token(model) == 1
     per_token = _session(model)
     rows = np.concatenate([_rows(rng, k) for k in range(600)])
     for row in rows:
@@ -100,7 +108,39 @@ def test_a_scale_used_other_than_by_a_multiply_is_refused():
     model = _projection(np.ones((K, N), np.int8), np.array(0, np.int8), scale_op="Add")
     with pytest.raises(ModelInputError, match="DynamicQuantizeLinear node 'dql': its scale "
                                               "feeds Add node 'scale_op'"):
-        make_per_token(model, "p.onnx")
+        _per_token(model)
+
+
+def _positions_times_frequencies() -> onnx.ModelProto:
+    """optimum's quantized rotary: frequencies [1, F, 1] (a constant, quantized per tensor)
+    times positions [1, 1, T] (the tokens, as the product's columns), both quantized."""
+    frequencies = np.geomspace(1, 1e-3, 8).astype(np.float32).reshape(1, 8, 1)
+    nodes = [helper.make_node("DynamicQuantizeLinear", ["f"], ["fq", "fs", "fz"], name="dql_f"),
+             helper.make_node("DynamicQuantizeLinear", ["p"], ["pq", "ps", "pz"], name="dql_p"),
+             helper.make_node("MatMulInteger", ["fq", "pq", "fz", "pz"], ["mm"], name="mmi"),
+             helper.make_node("Cast", ["mm"], ["mmf"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["fs", "ps"], ["sc"]),
+             helper.make_node("Mul", ["mmf", "sc"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "rotary", [helper.make_tensor_value_info("p", TensorProto.FLOAT, [1, 1, "t"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(frequencies, "f")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_tokens_as_a_products_columns_are_quantized_a_column_at_a_time():
+    original = _session(_positions_times_frequencies())
+    model = _positions_times_frequencies()
+    axes = {"fq": TokenAxis(None, (1, 8, 1)), "pq": TokenAxis(2, (1, 1, 1))}
+    assert make_per_token(model, "p.onnx", axes) == 1
+    per_token = _session(model)
+    positions = np.array([[[0, 1, 2, 3, 17, 300, 301, 2047]]], np.float32)
+    [together] = per_token.run(None, {"p": positions})
+    alone = np.concatenate([original.run(None, {"p": positions[..., i:i + 1]})[0]
+                            for i in range(positions.shape[-1])], axis=-1)
+    assert np.array_equal(together.view(np.uint32), alone.view(np.uint32))
+    [mixed] = original.run(None, {"p": positions})
+    assert not np.array_equal(mixed, alone)
 
 
 QUANTIZED = {  # fixture -> quantize_dynamic's options, as users pick them
@@ -172,3 +212,43 @@ def test_speculation_on_a_dynamically_quantized_model_is_lossless(quantized, key
     original = OriginalModel(path)
     same = sum(got == original.greedy(p, 30) for p, got in zip(prompts, runs["plain"]))
     assert same >= len(prompts) - 1
+
+
+@pytest.fixture(scope="module")
+def optimum_int8():
+    from arch_fixtures import build_optimum_quantized
+    from conftest import BUILD
+
+    return build_optimum_quantized(BUILD)
+
+
+def test_optimums_quantization_of_every_matmul_is_refused_naming_the_cache(optimum_int8,
+                                                                            tmp_path):
+    """Its attention's keys are quantized with one scale over every cached token: a
+    token-by-token run re-rounds the cache at each step, which no per-token form computes."""
+    with pytest.raises(ModelInputError, match=r"quantizes .*self_attn.* per tensor, which is .*"
+                                              r"it holds cached tokens"):
+        compiled(CompileOptions(optimum_int8["all"], None, tmp_path / "b.dsmodel",
+                                max_seq_len=256, kv_budget_mb=8))
+
+
+def test_optimums_quantization_without_the_attention_is_lossless(optimum_int8, tmp_path):
+    """Its rotary's MatMul quantized too (positions as the product's columns, the frequencies
+    a constant): verifies, and speculation gives plain decoding's tokens."""
+    path = optimum_int8["no-attention"]
+    bundle = open_bundle(compiled(CompileOptions(path, path, tmp_path / "b.dsmodel",
+                                                 max_seq_len=256, kv_budget_mb=8)))
+    nodes = onnx.load(str(bundle.root / "main" / "model.onnx"), load_external_data=False).graph.node
+    assert not [n for n in nodes if n.op_type == "DynamicQuantizeLinear"]
+    products = {n.name.split("/per_token/")[0] for n in nodes if n.op_type == "MatMulInteger"}
+    source = {n.name for n in onnx.load(str(path), load_external_data=False).graph.node
+              if n.op_type == "MatMulInteger"}
+    # the rotary's, per token, became the fused rotary's tables (one position at a time)
+    assert source - products == {"/model/rotary_emb/MatMul_quant"} and len(products) == 22
+    report = verify_model(bundle, "main", path, seqs=3, steps=3)
+    assert report.ok(1e-3) and report.argmax_agree >= 0.98, report
+    prompts = [[5, 9, 200, 31], list(range(7, 27)) * 3]
+    runs = [[s.generated for s in Engine(bundle, "fixed", 4, max_batch=2).generate(
+        [GenerationRequest(tuple(p), 40, speculative=spec, method=method) for p in prompts])]
+        for spec, method in ((False, None), (True, "draft"), (True, "lookup"))]
+    assert runs[1] == runs[0] and runs[2] == runs[0]

@@ -222,15 +222,17 @@ def _probabilities(t: gs.Variable) -> gs.Variable:
 def _eager(chain_k: _Chain, chain_v: _Chain, k_new, v_new, contract, layer) -> AttentionMatch:
     fail = lambda why: _unmappable(contract, layer, why)  # noqa: E731
     score = chain_k.end
-    if score.op != "MatMul" or score.inputs[1] is not chain_k.fed:
+    if not _matmul(score, trans_b_ok=True) or score.inputs[1] is not chain_k.fed:
         raise fail(f"present.{layer}.key feeds {score.op} node '{score.name}', not a score MatMul")
-    if chain_k.perms != [SWAP_LAST]:
-        raise fail(f"the key's path to MatMul node '{score.name}' transposes {chain_k.perms}, "
+    perms = chain_k.perms + [SWAP_LAST] * int(score.attrs.get("transB", 0))
+    if perms != [SWAP_LAST]:
+        raise fail(f"the key's path to {score.op} node '{score.name}' transposes {perms}, "
                    "expected one swap of the last two axes")
     softmax, factor, mask = _scores_to_softmax(score, fail)
     t = _probabilities(softmax.outputs[0])
     out_mm = chain_v.end
-    if out_mm.op != "MatMul" or out_mm.inputs[0] is not t or out_mm.inputs[1] is not chain_v.fed:
+    if (not _matmul(out_mm, trans_b_ok=False) or out_mm.inputs[0] is not t
+            or out_mm.inputs[1] is not chain_v.fed or _alpha(out_mm) != 1.0):
         users = ", ".join(f"{n.op} '{n.name}'" for n in live_consumers(t)) or "nothing"
         raise fail(f"Softmax '{softmax.name}' and present.{layer}.value do not meet in one "
                    f"MatMul: the probabilities ({t.name}) go to {users}, present.{layer}.value "
@@ -239,7 +241,23 @@ def _eager(chain_k: _Chain, chain_v: _Chain, k_new, v_new, contract, layer) -> A
                       factor=factor)
     q, q_factor = _unscaled(score.inputs[0])
     return AttentionMatch(layer, q, k_new, v_new, out_mm.outputs[0], out_mm,
-                          factor * chain_k.factor * q_factor, span)
+                          factor * chain_k.factor * q_factor * _alpha(score), span)
+
+
+def _matmul(n: gs.Node, trans_b_ok: bool) -> bool:
+    """A MatMul, or onnxruntime's FusedMatMul (its extended optimizations: a scale and a
+    transpose of B folded in) transposing at most B, where allowed."""
+    if n.op == "MatMul":
+        return True
+    if n.op != "FusedMatMul":
+        return False
+    a = n.attrs
+    return (not a.get("transA", 0) and not a.get("transBatchA", 0)
+            and not a.get("transBatchB", 0) and (trans_b_ok or not a.get("transB", 0)))
+
+
+def _alpha(n: gs.Node) -> float:
+    return float(n.attrs.get("alpha", 1.0)) if n.op == "FusedMatMul" else 1.0
 
 
 def _unscaled(t: gs.Variable) -> tuple[gs.Variable, float]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import onnx
 
 from dspark.compiler.contract import InputContract
-from dspark.compiler.passes.token_quant import make_per_token, per_token_quantized
+from dspark.compiler.passes.token_quant import per_token_model, per_token_quantized
 from dspark.runtime.bundle.spec import VERIFY_DOMAIN
 from dspark.runtime.errors import ModelInputError
 from dspark.runtime.model.sessions import make_session
@@ -29,7 +29,7 @@ def optimize(contract: InputContract, workdir: Path, role: str) -> Path:
     except Exception as e:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelInputError(f"{contract.path}: onnxruntime cannot load it: {first}") from None
-    _quantize_per_token(out, f"{role}.opt.weights", contract.path)
+    _quantize_per_token(out, f"{role}.opt.weights", contract)
     inferred = workdir / f"{role}.inferred.onnx"
     model = infer_types(out)
     # onnxruntime lists every domain it knows in the model it writes, ours too (version 1000)
@@ -41,13 +41,13 @@ def optimize(contract: InputContract, workdir: Path, role: str) -> Path:
     return inferred
 
 
-def _quantize_per_token(path: Path, weights: str, source: Path) -> None:
+def _quantize_per_token(path: Path, weights: str, contract: InputContract) -> None:
     """Activations quantized per tensor become per token (passes/token_quant.py), in the
     optimized file itself: the probes run it."""
     if not per_token_quantized(onnx.load(str(path), load_external_data=False)):
         return
     model = onnx.load(str(path))
-    make_per_token(model, source)
+    per_token_model(model, contract, contract.path)
     (path.parent / weights).unlink(missing_ok=True)
     onnx.save(model, str(path), save_as_external_data=True, location=weights,
               size_threshold=1024)

@@ -22,6 +22,7 @@ from dspark.runtime.env import read_env
 _LEVELS = {
     "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
     "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
 
@@ -50,7 +51,7 @@ def make_session(path: str | Path | bytes, level: str = "all", optimized_path: P
                  config: dict[str, str] | None = None, providers: list | None = None,
                  profile_prefix: str | None = None, custom_ops: Path | None = None,
                  solo: bool = False) -> ort.InferenceSession:
-    """A session on the shared pool (`level`: none, basic or all graph optimization);
+    """A session on the shared pool (`level`: none, basic, extended or all graph optimization);
     `path` may also be a serialized model. `providers` default to the CPU's.
     `profile_prefix`: write onnxruntime's per-op profile there (end_profiling() names it).
     `custom_ops`: a shared library of custom ops to register (kernels/cpu_op.py).
