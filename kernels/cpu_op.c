@@ -526,6 +526,7 @@ static OrtCustomOp verify_op = {
 static OrtCustomOpDomain *domain;
 extern const OrtCustomOp dspark_int4_op; /* cpu_int4.c */
 extern const OrtCustomOp dspark_rms_norm_op, dspark_skip_rms_norm_op, dspark_silu_op; /* cpu_rows.c */
+extern const OrtCustomOp dspark_quantize_tokens_op; /* cpu_quant.c */
 
 OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
   typedef OrtStatus *(*CreateDomainFn)(const char *, OrtCustomOpDomain **);
@@ -543,7 +544,7 @@ OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base)
     if (status != NULL) return status;
     status = ORT(CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &verify_op);
     const OrtCustomOp *ours[] = {&dspark_int4_op, &dspark_rms_norm_op, &dspark_skip_rms_norm_op,
-                                 &dspark_silu_op};
+                                 &dspark_silu_op, &dspark_quantize_tokens_op};
     for (size_t i = 0; status == NULL && i < sizeof(ours) / sizeof(ours[0]); i++)
       status = ORT(CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, ours[i]);
     if (status != NULL) return status;

@@ -27,10 +27,10 @@ log = logging.getLogger("dspark.kernels")
 
 HERE = Path(__file__).resolve().parent
 # the library: SpeculativeVerify (cpu_op.c, which registers every op), MatMulInt4 (its
-# plain loops and op, its x86 and aarch64 vector paths), and the row ops (RmsNorm, SkipRmsNorm,
-# Silu: cpu_rows.c)
+# plain loops and op, its x86 and aarch64 vector paths), the row ops (RmsNorm, SkipRmsNorm,
+# Silu: cpu_rows.c) and QuantizeTokens (cpu_quant.c)
 SOURCES = (HERE / "cpu_op.c", HERE / "cpu_int4.c", HERE / "cpu_int4_x86.c",
-           HERE / "cpu_int4_arm.c", HERE / "cpu_rows.c")
+           HERE / "cpu_int4_arm.c", HERE / "cpu_rows.c", HERE / "cpu_quant.c")
 HEADERS = (HERE / "ort_abi.h", HERE / "cpu_int4.h", HERE / "cpu_int4_body.h")
 # MatMulInt4 picks its path at run time, each compiled for its own instruction set: on
 # x86-64 its files take a baseline every such CPU has instead of -march=native, so its
@@ -39,6 +39,10 @@ ISA_PATHS = ("generic", "avx2", "avx_vnni", "avx512", "avx512_vnni",
              "neon_dotprod")  # cpu_int4.h, in order
 PORTABLE = {"cpu_int4.c", "cpu_int4_x86.c", "cpu_int4_arm.c"}
 BASELINE = ("-march=x86-64-v2", "-mtune=native")
+# files whose arithmetic must be IEEE's as written (QuantizeTokens: a division, not a product
+# with the reciprocal; onnxruntime's rounding, bit for bit): no fast-math flags
+EXACT = {"cpu_quant.c"}
+_FAST = {"-ffast-math", "-fassociative-math", "-freciprocal-math", "-fno-signed-zeros"}
 # Two builds, the first that links wins:
 #   compiled with -ffast-math, linked without it, with glibc's vector math library: the dot
 #   products vectorise and so does expf (libmvec); a verify window's attention measured
@@ -88,7 +92,8 @@ def op_library(cache_dir: str, cc: str, march: str = "native") -> OpLibrary:
     if version is None:
         return OpLibrary(None, f"no C compiler ({cc!r}; set CC)")
     source = b"\0".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(b"\0".join([source, repr(BUILDS).encode(), version.encode(),
+    flags = repr((BUILDS, sorted(EXACT), sorted(PORTABLE), BASELINE)).encode()
+    key = hashlib.sha256(b"\0".join([source, flags, version.encode(),
                                      _cpu_signature().encode(), march.encode()])).hexdigest()[:16]
     target = Path(cache_dir) / f"dspark-cpu-op-{key}.so"
     if target.exists():
@@ -125,6 +130,8 @@ def _build(cc: str, compile_flags: tuple[str, ...], link_flags: tuple[str, ...],
 
 
 def _flags(compile_flags: tuple[str, ...], source: Path) -> list[str]:
+    if source.name in EXACT:
+        return [f for f in compile_flags if f not in _FAST] + ["-fno-fast-math"]
     if source.name not in PORTABLE or platform.machine() not in ("x86_64", "AMD64"):
         return list(compile_flags)
     return [f for f in compile_flags if not f.startswith("-march=")] + list(BASELINE)

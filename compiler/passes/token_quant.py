@@ -249,7 +249,11 @@ def make_per_token(model: onnx.ModelProto, path, axes: dict, jitter: float = 0.0
         x = n.input[0]
         if jitter and axis == rank - 2:
             x = e.op("Mul", [x, e.const("jitter", _jitter(token.shape[-1], jitter))], "jittered")
-        y, scale, zp = _quantize(e, x, [i for i in range(rank) if i != axis])
+        # every other axis longer than 1, counted from the end: a projection's input
+        # [1, T, K] reduces over [-1] alone (the form runtime/model/quant_rows.py runs in C);
+        # where none is, one of length 1 (no axes at all would reduce over every axis)
+        others = [i - rank for i in range(rank) if i != axis]
+        y, scale, zp = _quantize(e, x, [i for i in others if token.shape[i] != 1] or others[:1])
         for c in consumers[y_old]:
             side = list(c.input).index(y_old)
             if axis != rank - 2 + side:

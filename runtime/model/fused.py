@@ -29,6 +29,7 @@ from dspark.runtime.model.batch import FlatBatch
 from dspark.runtime.model.executor import StepClock, id_input_types
 from dspark.runtime.model.int4_rows import rewrite_int4
 from dspark.runtime.model.load_gate import shared_gate
+from dspark.runtime.model.quant_rows import rewrite_quantize
 from dspark.runtime.model.row_ops import rewrite_rows
 from dspark.runtime.model.sessions import EXTERNAL_FOLDER, make_session
 from dspark.runtime.model.zero_points import split_float_zero_points
@@ -73,9 +74,10 @@ def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int],
     graph.input.append(helper.make_tensor_value_info(TABLES, i64, ["seqs", "max_blocks"]))
     for name in (STARTS, QOFFS, NEWS):
         graph.input.append(helper.make_tensor_value_info(name, i64, ["seqs"]))
-    if read_env().cpu_rows:
-        rewrite_rows(model, bundle.path(spec.graph_file).parent)
     folder = bundle.path(spec.graph_file).parent
+    if read_env().cpu_rows:
+        rewrite_rows(model, folder)
+        rewrite_quantize(model, folder)
     rewritten = (rewrite_int4(model, folder, read_env().threads, ISA_PATHS.index(int4_path),
                               few_rows) if int4_path else 0)
     split_float_zero_points(model, folder)  # those MatMulInt4 did not take

@@ -30,7 +30,7 @@ from onnx import helper, numpy_helper
 DOMAIN = "ai.dspark"
 
 
-class _Graph:
+class GraphIndex:
     """Producers, consumers and constant values of a graph's tensors."""
 
     def __init__(self, graph: onnx.GraphProto, folder: Path):
@@ -74,7 +74,7 @@ def _attr(node: onnx.NodeProto, name: str, default=None):
     return default
 
 
-def _norm_from_pow(g: _Graph, pow_node: onnx.NodeProto):
+def _norm_from_pow(g: GraphIndex, pow_node: onnx.NodeProto):
     """(nodes to drop, x, scale, eps, output) of the exported RMS norm starting at `pow_node`."""
     x = pow_node.input[0]
     two = g.constant(pow_node.input[1])
@@ -115,7 +115,7 @@ def rewrite_rows(model: onnx.ModelProto, folder: Path) -> int:
     """Rewrite `model` (its external data in `folder`) in place; how many norms and SiLUs
     became ours."""
     graph = model.graph
-    g = _Graph(graph, folder)
+    g = GraphIndex(graph, folder)
     drop: set[int] = set()
     new: dict[int, onnx.NodeProto] = {}  # placed where the pattern's last node was
     for node in graph.node:
