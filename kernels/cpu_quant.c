@@ -17,8 +17,6 @@
 
 #include "ort_abi.h"
 
-enum { PARALLEL_ELEMENTS = 1 << 16 };
-
 typedef struct {
   const float *x;
   uint8_t *y, *zero_point;
@@ -78,13 +76,7 @@ static OrtStatus *quant_compute(void *kernel, OrtKernelContext *ctx) {
   w.dim = xs.dims[xs.rank - 1];
   if (w.dim == 0 || xs.count == 0) return NULL;
   w.rows = xs.count / w.dim;
-  /* a prompt's rows on the pool, a few rows on the calling thread */
-  const int64_t items = dspark_solo || xs.count < PARALLEL_ELEMENTS ? 1
-                        : w.rows < 64 ? w.rows : 64;
-  w.per_item = (w.rows + items - 1) / items;
-  if (items < 2 || !ok(ORT(KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(
-                       ctx, quant_item, (size_t)items, 0, &w)))
-    for (int64_t i = 0; i < items; i++) quant_item(&w, (size_t)i);
+  run_rows(ctx, quant_item, &w, w.rows, xs.count, &w.per_item);
   return NULL;
 }
 

@@ -21,7 +21,7 @@
 
 #include "ort_abi.h"
 
-enum { LANES16 = 16, PARALLEL_ELEMENTS = 1 << 16 };
+enum { LANES16 = 16 };
 
 typedef enum { RMS_NORM, SKIP_RMS_NORM, SILU } RowKind;
 
@@ -157,13 +157,7 @@ static OrtStatus *row_compute(void *kernel, OrtKernelContext *ctx) {
   if (status != NULL) return status;
   if (w.dim == 0 || xs.count == 0) return NULL;
   w.rows = xs.count / w.dim;
-  /* a prompt's rows on the pool, a few rows on the calling thread */
-  const int64_t items = dspark_solo || xs.count < PARALLEL_ELEMENTS ? 1
-                        : w.rows < 64 ? w.rows : 64;
-  w.per_item = (w.rows + items - 1) / items;
-  if (items < 2 || !ok(ORT(KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(
-                       ctx, row_item, (size_t)items, 0, &w)))
-    for (int64_t i = 0; i < items; i++) row_item(&w, (size_t)i);
+  run_rows(ctx, row_item, &w, w.rows, xs.count, &w.per_item);
   return NULL;
 }
 

@@ -151,4 +151,17 @@ static inline int op_required(const OrtCustomOp *op, size_t i) { (void)op; (void
 static inline int op_one(const OrtCustomOp *op) { (void)op; return 1; }
 static inline size_t op_one_count(const OrtCustomOp *op) { (void)op; return 1; }
 
+/* A row op's rows as work items of `per_item` rows: a prompt's many rows (more than 65536
+   values) on onnxruntime's pool in up to 64 items, a few rows (or any, while the solo switch
+   is on) in one item on the calling thread. An item's rows are computed the same either way. */
+enum { ROW_PARALLEL_VALUES = 1 << 16 };
+
+static inline void run_rows(OrtKernelContext *ctx, void (*fn)(void *, size_t), void *data,
+                            int64_t rows, int64_t values, int64_t *per_item) {
+  const int64_t items = dspark_solo || values < ROW_PARALLEL_VALUES ? 1 : rows < 64 ? rows : 64;
+  *per_item = (rows + items - 1) / items;
+  if (items < 2 || !ok(ORT(KERNEL_CONTEXT_PARALLEL_FOR, ParallelForFn)(ctx, fn, (size_t)items,
+                                                                       0, data)))
+    for (int64_t i = 0; i < items; i++) fn(data, (size_t)i);
+}
 #endif

@@ -14,6 +14,7 @@
 
 const OrtCustomOp dspark_int4_op; /* RegisterCustomOps' other op (cpu_int4.c): never called here */
 const OrtCustomOp dspark_rms_norm_op, dspark_skip_rms_norm_op, dspark_silu_op; /* cpu_rows.c: nor these */
+const OrtCustomOp dspark_quantize_tokens_op; /* cpu_quant.c: nor this */
 
 static uint64_t state = 88172645463325252ull;
 

@@ -6,32 +6,27 @@ and the AVX2 one; a chain it cannot take whole stays."""
 
 from __future__ import annotations
 
-import platform
 import re
 
 import numpy as np
 import onnx
 import pytest
+from cpu_builds import library_for, marches
 from onnx import TensorProto, helper, numpy_helper
 
 from dspark.compiler.passes.token_axes import TokenAxis
 from dspark.compiler.passes.token_quant import make_per_token
-from dspark.kernels.cpu_op import op_library, solo_ops
-from dspark.runtime.env import kernel_cache_dir, read_env
+from dspark.kernels.cpu_op import solo_ops
 from dspark.runtime.model.quant_rows import rewrite_quantize
 from dspark.runtime.model.sessions import make_session
 
-K, N = 576, 24
-MARCHES = ["native", "haswell"] if platform.machine() in ("x86_64", "AMD64") else ["native"]
 
-
-@pytest.fixture(scope="module", params=MARCHES)
+@pytest.fixture(scope="module", params=marches())
 def library(request):
-    built = op_library(kernel_cache_dir(), read_env().cc, march=request.param)
-    assert built.path is not None, built.reason
-    return built.path
+    """This CPU's build, and on x86-64 with AVX-512 the AVX2 one (DSPARK_CPU_MARCH)."""
+    return library_for(request.param)
 
-
+K, N = 576, 24
 def _per_token_projection(extra_output: str | None = None) -> onnx.ModelProto:
     """One quantize_dynamic projection, made per token by the compiler's pass; y and the
     per-token scale and zero point as outputs too (`extra_output`: one more)."""

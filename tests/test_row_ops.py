@@ -9,16 +9,14 @@ keeps a verify's rows equal to the decodes'); what the ops cannot run stays as i
 
 from __future__ import annotations
 
-import platform
-
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from cpu_builds import library_for, marches
 from onnx import TensorProto, helper, numpy_helper
 
-from dspark.kernels.cpu_op import op_library, solo_ops
-from dspark.runtime.env import kernel_cache_dir, read_env
+from dspark.kernels.cpu_op import solo_ops
 from dspark.runtime.model.row_ops import rewrite_rows
 from dspark.runtime.model.sessions import make_session
 
@@ -26,15 +24,10 @@ F = TensorProto.FLOAT
 EPS = 1e-5
 
 
-# this CPU's build, and on x86-64 the AVX2 build an AVX2-only CPU compiles (DSPARK_CPU_MARCH)
-MARCHES = ["native", "haswell"] if platform.machine() in ("x86_64", "AMD64") else ["native"]
-
-
-@pytest.fixture(scope="module", params=MARCHES)
+@pytest.fixture(scope="module", params=marches())
 def library(request):
-    built = op_library(kernel_cache_dir(), read_env().cc, march=request.param)
-    assert built.path is not None, built.reason
-    return built.path
+    """This CPU's build, and on x86-64 with AVX-512 the AVX2 one (DSPARK_CPU_MARCH)."""
+    return library_for(request.param)
 
 
 def _model(nodes, inputs, dim: int, inits, opsets=(("", 17),)) -> onnx.ModelProto:

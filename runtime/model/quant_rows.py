@@ -23,7 +23,7 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
-from dspark.runtime.model.row_ops import DOMAIN, GraphIndex
+from dspark.runtime.model.row_ops import DOMAIN, GraphIndex, attr, place
 
 
 class _Walk:
@@ -50,18 +50,11 @@ class _Walk:
         return c is not None and c.size == 1 and float(c.reshape(())) == value
 
     def last_axis(self, node: onnx.NodeProto) -> bool:
-        axes = _attr(node, "axes")
+        axes = attr(node, "axes")
         if axes is None and len(node.input) > 1:
             c = self.g.constant(node.input[1])
             axes = None if c is None else [int(a) for a in c.reshape(-1)]
-        return axes is not None and list(axes) == [-1] and _attr(node, "keepdims", 1) == 1
-
-
-def _attr(node: onnx.NodeProto, name: str, default=None):
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
+        return axes is not None and list(axes) == [-1] and attr(node, "keepdims", 1) == 1
 
 
 def _chain(g: GraphIndex, cast_y: onnx.NodeProto):
@@ -99,7 +92,7 @@ def _chain(g: GraphIndex, cast_y: onnx.NodeProto):
             or not (w.last_axis(top) and w.last_axis(bottom))):
         return None
     cast_zp = [n for n in g.consumers.get(round_z.output[0], [])
-               if n.op_type == "Cast" and _attr(n, "to") == TensorProto.UINT8]
+               if n.op_type == "Cast" and attr(n, "to") == TensorProto.UINT8]
     if len(cast_zp) != 1:
         return None
     nodes = w.nodes + cast_zp
@@ -121,7 +114,7 @@ def rewrite_quantize(model: onnx.ModelProto, folder: Path) -> int:
     drop: set[int] = set()
     new: dict[int, onnx.NodeProto] = {}  # placed where the chain's y was cast
     for node in graph.node:
-        if node.op_type != "Cast" or _attr(node, "to") != TensorProto.UINT8 or id(node) in drop:
+        if node.op_type != "Cast" or attr(node, "to") != TensorProto.UINT8 or id(node) in drop:
             continue
         found = _chain(g, node)
         if found is None:
@@ -130,12 +123,4 @@ def rewrite_quantize(model: onnx.ModelProto, folder: Path) -> int:
         drop.update(id(n) for n in nodes)
         new[id(node)] = helper.make_node("QuantizeTokens", [x], list(outputs), domain=DOMAIN,
                                          name=f"{node.name}/dspark_quantize_{len(new)}")
-    if not new:
-        return 0
-    # in y's Cast's place: the zero point's Cast comes right after it (token_quant.py)
-    kept = [new.get(id(n), n) for n in graph.node if id(n) not in drop or id(n) in new]
-    del graph.node[:]
-    graph.node.extend(kept)
-    if not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-    return len(new)
+    return place(model, drop, new)  # in y's Cast's place, the zero point's Cast after it

@@ -67,7 +67,7 @@ class GraphIndex:
         return value is not None and value.dtype == np.float32 and value.ndim == 1
 
 
-def _attr(node: onnx.NodeProto, name: str, default=None):
+def attr(node: onnx.NodeProto, name: str, default=None):
     for a in node.attribute:
         if a.name == name:
             return helper.get_attribute_value(a)
@@ -81,9 +81,9 @@ def _norm_from_pow(g: GraphIndex, pow_node: onnx.NodeProto):
     if two is None or two.size != 1 or float(two.reshape(())) != 2.0:
         return None
     mean = g.only_use(pow_node.output[0])
-    if mean is None or mean.op_type != "ReduceMean" or _attr(mean, "keepdims", 1) != 1:
+    if mean is None or mean.op_type != "ReduceMean" or attr(mean, "keepdims", 1) != 1:
         return None
-    axes = _attr(mean, "axes")
+    axes = attr(mean, "axes")
     if axes is None and len(mean.input) > 1:
         axes = g.constant(mean.input[1])
         axes = None if axes is None else [int(a) for a in axes.reshape(-1)]
@@ -131,14 +131,14 @@ def rewrite_rows(model: onnx.ModelProto, folder: Path) -> int:
                                                   name=f"{nodes[-1].name}/dspark_rows_{len(new)}",
                                                   epsilon=eps)
         elif node.op_type == "SimplifiedLayerNormalization":
-            if (_attr(node, "axis", -1) != -1 or any(node.output[1:])
+            if (attr(node, "axis", -1) != -1 or any(node.output[1:])
                     or not g.scale(node.input[1])):
                 continue
             drop.add(id(node))
             new[id(node)] = helper.make_node(
                 "RmsNorm", list(node.input[:2]), [node.output[0]], domain=DOMAIN,
                 name=f"{node.name}/dspark_rows_{len(new)}",
-                epsilon=float(_attr(node, "epsilon", 1e-5)))
+                epsilon=float(attr(node, "epsilon", 1e-5)))
         elif node.op_type == "SkipSimplifiedLayerNormalization":
             bias = len(node.input) > 3 and node.input[3]
             outs = list(node.output) + [""] * (4 - len(node.output))
@@ -149,7 +149,7 @@ def rewrite_rows(model: onnx.ModelProto, folder: Path) -> int:
                 "SkipRmsNorm", list(node.input[:3]),
                 [outs[0], outs[3] or f"{node.name}/dspark_sum_{len(new)}"], domain=DOMAIN,
                 name=f"{node.name}/dspark_rows_{len(new)}",
-                epsilon=float(_attr(node, "epsilon", 1e-5)))
+                epsilon=float(attr(node, "epsilon", 1e-5)))
         elif node.op_type == "Sigmoid":
             x = node.input[0]
             mul = g.only_use(node.output[0])
@@ -159,8 +159,15 @@ def rewrite_rows(model: onnx.ModelProto, folder: Path) -> int:
             drop.update((id(node), id(mul)))
             new[id(mul)] = helper.make_node("Silu", [x], [mul.output[0]], domain=DOMAIN,
                                             name=f"{mul.name}/dspark_rows_{len(new)}")
+    return place(model, drop, new)
+
+
+def place(model: onnx.ModelProto, drop: set[int], new: dict[int, onnx.NodeProto]) -> int:
+    """The graph without the nodes in `drop` (ids), each of `new` in its key node's place,
+    our domain imported; how many are new."""
     if not new:
         return 0
+    graph = model.graph
     nodes = [new.get(id(n), n) for n in graph.node if id(n) not in drop or id(n) in new]
     del graph.node[:]
     graph.node.extend(nodes)
