@@ -132,4 +132,7 @@ benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmark
 	    --json > $(REPORTS)/q4_bench_avx2.json
 	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/dsrun bench $(Q4BENCH) \
 	    --background-load --json > $(REPORTS)/q4_bench_avx2_loaded.json
+	$(BIN)/python samples/int8_sample.py
+	$(BIN)/dsrun bench --model build/smollm2-q8.dsmodel --prompts samples/prompts/peer_prompts.jsonl \
+	    --max-tokens 128 --repeats 4 --json > $(REPORTS)/q8_bench.json
 	$(BIN)/python samples/report_benchmarks.py

@@ -18,6 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 Q4_BENCH = ("dsrun bench --model build/smollm2-q4.dsmodel --prompts "
             "samples/prompts/peer_prompts.jsonl --max-tokens 128 --repeats 4")
+Q8_BENCH = ("dsrun bench --model build/smollm2-q8.dsmodel --prompts "
+            "samples/prompts/peer_prompts.jsonl --max-tokens 128 --repeats 4")
 AVX2 = "DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell "  # MatMulInt4 and attention for AVX2
 # (report file, heading, the command that writes it, what the table shows)
 REPORTS = [
@@ -118,6 +120,11 @@ REPORTS = [
      "The int4 main in one process, on its AVX2 path, one core busy",
      AVX2 + Q4_BENCH + " --background-load --json > build/reports/q4_bench_avx2_loaded.json",
      "Both at once."),
+    ("q8_bench.json", "The int8 main (onnxruntime's quantize_dynamic) in one process",
+     "python samples/int8_sample.py && " + Q8_BENCH + " --json > build/reports/q8_bench.json",
+     "The sample's main through quantize_dynamic (int8 weights per column, activations "
+     "quantized at run time, compiled per token: models.md) with the sample's int4 draft, "
+     "default speculation and plain decoding interleaved per prompt in one process."),
     ("peers_threads_loaded.json", "One thread against two, one core busy",
      "python samples/bench_peers.py --repeats 2 --background-load --systems dsrun-q4-plain "
      "dsrun-q4-default dsrun-q4-plain@t1 dsrun-q4-default@t1 dsrun-fp32-plain "
@@ -236,7 +243,8 @@ TABLES = {"peers_greedy.json": peers_table, "peers_sampled.json": peers_table,
           "peers_threads_adaptive.json": peers_table,
           "int4_kernels.json": int4_table, "gemma3_bench.json": bench_table,
           "q4_bench.json": bench_table, "q4_bench_loaded.json": bench_table,
-          "q4_bench_avx2.json": bench_table, "q4_bench_avx2_loaded.json": bench_table}
+          "q4_bench_avx2.json": bench_table, "q4_bench_avx2_loaded.json": bench_table,
+          "q8_bench.json": bench_table}
 
 
 def sections(page: str) -> dict[str, list[str]]:
