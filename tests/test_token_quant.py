@@ -111,7 +111,7 @@ def test_a_scale_used_other_than_by_a_multiply_is_refused():
         _per_token(model)
 
 
-def _positions_times_frequencies() -> onnx.ModelProto:
+def _positions_times_frequencies(opset: int) -> onnx.ModelProto:
     """optimum's quantized rotary: frequencies [1, F, 1] (a constant, quantized per tensor)
     times positions [1, 1, T] (the tokens, as the product's columns), both quantized."""
     frequencies = np.geomspace(1, 1e-3, 8).astype(np.float32).reshape(1, 8, 1)
@@ -125,12 +125,13 @@ def _positions_times_frequencies() -> onnx.ModelProto:
         nodes, "rotary", [helper.make_tensor_value_info("p", TensorProto.FLOAT, [1, 1, "t"])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
         [numpy_helper.from_array(frequencies, "f")])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
 
 
-def test_tokens_as_a_products_columns_are_quantized_a_column_at_a_time():
-    original = _session(_positions_times_frequencies())
-    model = _positions_times_frequencies()
+@pytest.mark.parametrize("opset", [14, 18])  # ReduceSum's axes an input, the others' not yet
+def test_tokens_as_a_products_columns_are_quantized_a_column_at_a_time(opset):
+    original = _session(_positions_times_frequencies(opset))
+    model = _positions_times_frequencies(opset)
     axes = {"fq": TokenAxis(None, (1, 8, 1)), "pq": TokenAxis(2, (1, 1, 1))}
     assert make_per_token(model, "p.onnx", axes) == 1
     per_token = _session(model)

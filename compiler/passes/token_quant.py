@@ -45,10 +45,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from dspark.compiler.passes.token_axes import token_axes
+from dspark.compiler.passes.token_axes import DQL, quantizers, token_axes
 from dspark.runtime.errors import ModelInputError
 
-_DQL = "DynamicQuantizeLinear"
 _TO_FLOAT = "MatMulIntegerToFloat"  # onnxruntime's fusion: product, scales and bias
 _DQMM = "DynamicQuantizeMatMul"  # onnxruntime's fusion of all of a projection
 _MS = "com.microsoft"
@@ -57,7 +56,7 @@ _MS = "com.microsoft"
 def per_token_quantized(model: onnx.ModelProto) -> bool:
     """Whether the model quantizes activations per tensor (a DynamicQuantizeLinear, or
     onnxruntime's DynamicQuantizeMatMul)."""
-    return any((n.op_type, n.domain) in ((_DQL, ""), (_DQL, "ai.onnx"), (_DQMM, _MS))
+    return any((n.op_type, n.domain) in ((DQL, ""), (DQL, "ai.onnx"), (_DQMM, _MS))
                for n in model.graph.node)
 
 
@@ -69,7 +68,7 @@ def split_fused(model: onnx.ModelProto) -> None:
         if (n.op_type, n.domain) == (_DQMM, _MS):
             a, b, b_scale, b_zp, bias = (list(n.input) + [""] * 5)[:5]
             q, s, z = (f"{n.name or n.output[0]}/quantized_{k}" for k in ("x", "scale", "zero"))
-            nodes.append(helper.make_node(_DQL, [a], [q, s, z], name=q + "_node"))
+            nodes.append(helper.make_node(DQL, [a], [q, s, z], name=q + "_node"))
             n.op_type = _TO_FLOAT
             del n.input[:]
             n.input.extend([q, b, s, b_scale, z, b_zp, bias])
@@ -106,7 +105,8 @@ class _Emitter:
         return out
 
     def reduce(self, op: str, x: str, axes: list[int], what: str) -> str:
-        if self.opset >= 18:
+        # axes became an input in opset 13 for ReduceSum, in 18 for the others
+        if self.opset >= (13 if op == "ReduceSum" else 18):
             return self.op(op, [x, self.const("axes", np.array(axes, np.int64))], what,
                            keepdims=1)
         return self.op(op, [x], what, axes=axes, keepdims=1)
@@ -238,8 +238,8 @@ def make_per_token(model: onnx.ModelProto, path, axes: dict, jitter: float = 0.0
                  and axes[n.output[0]].axis is not None}
     placed: dict[int, list[onnx.NodeProto]] = {}
     done = 0
-    for n in list(g.node):
-        if n.op_type != _DQL or n.domain not in ("", "ai.onnx") or axes[n.output[0]].axis is None:
+    for n in quantizers(model):
+        if axes[n.output[0]].axis is None:
             continue
         token = axes[n.output[0]]
         rank, axis = len(token.shape), token.axis
