@@ -15,11 +15,10 @@ Some models are not deterministic across shapes: an int4 draft whose MatMulNBits
 activations to int8 (accuracy_level 4) turns 1e-7 input differences into logit differences
 near 1. So verify also measures the original's own noise floor, the larger of: the same
 tokens in one prefill versus in steps, and, where its MatMulNBits quantize their inputs to
-int8, the original against itself computing them in float (what
-that rounding moves: `dsc quantize`'s drafts compute their projections in float32 in
-onnxruntime and only the 8-bit head rounds, so chunkings alone rarely show it). Only where
-that floor exceeds the tolerance is a difference within NOISE_FACTOR times it accepted,
-saying so.
+int8, the original against itself computing them in float (what that rounding moves: `dsc
+quantize`'s drafts compute their projections in float32 in onnxruntime and only the 8-bit
+head rounds, so chunkings alone rarely show it). Only where that floor exceeds the
+tolerance is a difference within NOISE_FACTOR times it accepted, saying so.
 
 A model that quantizes activations per tensor (DynamicQuantizeLinear: onnxruntime's
 quantize_dynamic) is causal only a token at a time, so the reference runs it token by token.
