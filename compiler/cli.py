@@ -174,7 +174,7 @@ def _verdict_line(r, tolerance: float) -> str:
                        f"{r.limit(tolerance):.3g})")
     if r.beyond_rtol > tolerance:
         return line + (f"ok within {r.limit(tolerance):.3g}, the model's own noise "
-                       "(not shape-deterministic, e.g. int8-activation MatMulNBits)")
+                       "(not shape-deterministic: float16 rounding, int8 activations)")
     if r.max_abs_diff > tolerance:
         return line + f"ok within {tolerance:.3g} + {r.rtol:.2g} x |logit|"
     return line + "ok"

@@ -114,7 +114,8 @@ def _attention(graph: gs.Graph, contract: InputContract, role: str, opt_path: Pa
         return analysis, geometry, windows, replace_gqa(graph, layers, windows, role)
     matches = find_attentions(graph, contract)
     analysis = ModelAnalysis(opt_path, contract, graph, matches, max_positions)
-    count = insert_verify_nodes(graph, matches, analysis.geometry, analysis.windows, role)
+    kv = onnx.helper.tensor_dtype_to_np_dtype(contract.kv_dtype)
+    count = insert_verify_nodes(graph, matches, analysis.geometry, analysis.windows, role, kv)
     return analysis, analysis.geometry, analysis.windows, count
 
 

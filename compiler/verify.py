@@ -44,6 +44,7 @@ import numpy as np
 import onnx
 
 from dspark.compiler.contract import model_file
+from dspark.compiler.jitter import computes_in_float16, jittered
 from dspark.compiler.passes.token_quant import per_token_model
 from dspark.compiler.reference import OriginalModel
 from dspark.runtime.bundle.bundle import Bundle
@@ -127,8 +128,10 @@ def verify_model(bundle: Bundle, role: str, path: Path, seqs: int = 3, steps: in
     pasts, starts = [original.empty_past() for _ in plans], [0] * len(plans)
     history: list[list[int]] = [[] for _ in plans]
     # the floor: from the short sequences, or from every one for a model quantized per tensor
-    # (its rounding shows in the long ones; the others' floor stays as tight as it was)
-    floor_seqs = len(plans) if original.token_by_token else seqs
+    # or computing in float16 (its rounding shows in the long ones; the others' floor stays
+    # as tight as it was)
+    half = computes_in_float16(onnx.load(str(path), load_external_data=False))
+    floor_seqs = len(plans) if original.token_by_token or half else seqs
     stepwise: list[list[np.ndarray]] = [[] for _ in plans]
     worst, beyond, tokens, agree = 0.0, 0.0, 0, 0
     for k in range(max(len(p) for p in plans)):
@@ -148,18 +151,22 @@ def verify_model(bundle: Bundle, role: str, path: Path, seqs: int = 3, steps: in
             agree += int((got[a:b].argmax(-1) == ref.argmax(-1)).sum())
             tokens += b - a
             starts[i] += b - a
-    whole = _whole(original)
+    whole = _whole(original, half)
     noise = max(_chunking_noise(whole, history[i], stepwise[i]) for i in range(floor_seqs))
     noise = max(noise, _rounding_noise(path, original, history[:seqs]))
     return VerifyReport(role, worst, tokens, steps, agree / tokens, noise,
                         max(sum(p) for p in plans), rtol, max(0.0, beyond))
 
 
-def _whole(original: OriginalModel) -> OriginalModel:
+def _whole(original: OriginalModel, half: bool = False) -> OriginalModel:
     """The original running a chunk in one forward. One that quantizes activations per tensor
     runs token by token as the reference; in one forward, what the bundle computes is its
     per-token form (passes/token_quant.py): that form's one forward against the reference's
-    steps is how far the int8 rounding carries float differences in this model."""
+    steps is how far the int8 rounding carries float differences in this model. One that
+    computes in float16 (`half`) runs moved by one float32 ulp (compiler/jitter.py): how far
+    the float16 rounding carries them."""
+    if half:
+        return OriginalModel(original.path, make_session(jittered(original.path), level="all"))
     if not original.token_by_token:
         return original
     model = onnx.load(str(original.path))

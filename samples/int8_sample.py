@@ -18,28 +18,39 @@ import sys
 from pathlib import Path
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(doc: str, name: str) -> argparse.Namespace:
+    """--sample (the SmolLM2 sample's folder), --out and --bundle for the converted main."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--sample", type=Path, default=Path("build/smollm2"))
-    p.add_argument("--out", type=Path, default=Path("build/smollm2-q8"))
-    p.add_argument("--bundle", type=Path, default=Path("build/smollm2-q8.dsmodel"))
-    args = p.parse_args()
+    p.add_argument("--out", type=Path, default=Path(f"build/{name}"))
+    p.add_argument("--bundle", type=Path, default=Path(f"build/{name}.dsmodel"))
+    return p.parse_args()
+
+
+def converted(args: argparse.Namespace, convert) -> None:
+    """convert(main.onnx, tmp) writes the converted main; it lands in --out beside the
+    sample's tokenizer files and is compiled with the sample's draft into --bundle."""
     main_onnx = args.sample / "main.onnx"
     if not main_onnx.exists():
         sys.exit(f"error: {main_onnx}: no such file (run samples/smollm2.py first)")
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
     args.out.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (args.sample / name).exists():
             shutil.copy(args.sample / name, args.out / name)
     tmp = args.out / "main.tmp.onnx"
-    quantize_dynamic(main_onnx, tmp, weight_type=QuantType.QInt8, per_channel=True)
+    convert(main_onnx, tmp)
     tmp.rename(args.out / "main.onnx")
     dsc = Path(sys.executable).parent / "dsc"
     subprocess.run([str(dsc), "compile", str(args.out / "main.onnx"),
                     str(args.sample / "draft.onnx"), "-o", str(args.bundle), "--force"],
                    check=True)
+
+
+def main() -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    converted(arguments(__doc__, "smollm2-q8"), lambda src, dst: quantize_dynamic(
+        src, dst, weight_type=QuantType.QInt8, per_channel=True))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from dspark.compiler.contract import InputContract, past_name, present_name
@@ -25,6 +27,7 @@ from dspark.runtime.errors import UnmappableAttentionError
 LAYOUT_OPS = frozenset({"Unsqueeze", "Expand", "Reshape", "Transpose", "Identity", "Squeeze"})
 PROBS_PASS = frozenset({"Cast", "Identity", "Dropout"})
 SWAP_LAST = [0, 1, 3, 2]
+_FLOAT = onnx.TensorProto.FLOAT
 
 
 @dataclass(frozen=True)
@@ -86,14 +89,25 @@ def live_consumers(t: gs.Tensor) -> list[gs.Node]:
     return [n for n in t.outputs if n.op != "Shape"]
 
 
-def _follow(t: gs.Variable, scale_ok: bool, where: str, fail) -> _Chain:
+def _cache(tensors: dict, layer: int, kind: str, concat: gs.Node
+           ) -> tuple[gs.Variable, gs.Node | None]:
+    """Where the attention reads the cache: present, or where present is only the cache cast
+    up for the graph's output (a float16 model with float32 cache I/O), the Concat's output,
+    that Cast aside."""
+    present = tensors[present_name(layer, kind)]
+    if live_consumers(present) or present is concat.outputs[0]:
+        return present, None
+    return concat.outputs[0], present.inputs[0]
+
+
+def _follow(t: gs.Variable, skip: gs.Node | None, scale_ok: bool, where: str, fail) -> _Chain:
     perms, factor = [], 1.0
     while True:
-        users = live_consumers(t)
+        users = [n for n in live_consumers(t) if n is not skip]
         if len(users) != 1:
             raise fail(f"{where} {t.name} has {len(users)} consumers, expected one")
         n = users[0]
-        if n.op in LAYOUT_OPS and n.inputs[0] is t:
+        if (n.op in LAYOUT_OPS or widening(n)) and n.inputs[0] is t:
             if n.op == "Transpose":
                 perms.append(list(n.attrs.get("perm", [])))
             t = n.outputs[0]
@@ -106,10 +120,25 @@ def _follow(t: gs.Variable, scale_ok: bool, where: str, fail) -> _Chain:
         return _Chain(n, t, perms, factor)
 
 
-def _from_past(t: gs.Tensor, name: str) -> bool:
-    """t is the graph input `name`, possibly behind Identity or one-input Concat."""
+def widening(n: gs.Node) -> bool:
+    """A Cast to float32: it keeps every value of its float16 (or float32) input. In a float16
+    model, onnxruntime's CPU runs each op that has no float16 kernel (MatMul, Softmax) in
+    float32 between such casts, and its optimizer drops the casts back to float16 and up
+    again between two of them: the attention's core runs in float32 on float16 keys."""
+    return n.op == "Cast" and n.attrs.get("to") == _FLOAT
+
+
+def float16(t: gs.Tensor) -> bool:
+    return t.dtype is not None and np.dtype(t.dtype) == np.float16
+
+
+def _from_past(t: gs.Tensor, name: str, cast_ok: bool = False) -> bool:
+    """t is the graph input `name`, possibly behind Identity or one-input Concat, and when
+    `cast_ok` behind a Cast (a float16 model with float32 cache I/O: its present is the
+    float16 cache cast up, so the past cast down gets back the same values exactly)."""
+    passes = ("Identity", "Concat", "Cast") if cast_ok else ("Identity", "Concat")
     while t.name != name:
-        if len(t.inputs) != 1 or t.inputs[0].op not in ("Identity", "Concat"):
+        if len(t.inputs) != 1 or t.inputs[0].op not in passes:
             return False
         if len(t.inputs[0].inputs) != 1:
             return False
@@ -121,15 +150,17 @@ def _split_present(tensors: dict, contract: InputContract, layer: int, kind: str
                    ) -> tuple[gs.Variable, gs.Node]:
     present = tensors[present_name(layer, kind)]
     producer = present.inputs[0] if present.inputs else None
-    if (producer is not None and producer.op == "Cast"
-            and producer.attrs.get("to") == contract.kv_dtype and producer.inputs[0].inputs
-            and producer.inputs[0].inputs[0].op == "Concat"):
-        producer = producer.inputs[0].inputs[0]  # a cast of the cache to its own type (GPT-J)
+    cast_up = (producer is not None and producer.op == "Cast"
+               and producer.attrs.get("to") == contract.kv_dtype and producer.inputs[0].inputs
+               and producer.inputs[0].inputs[0].op == "Concat")
+    if cast_up:  # the cache cast to its own type (GPT-J), or up from float16
+        producer = producer.inputs[0].inputs[0]
     if producer is None:
         raise _unmappable(contract, layer, f"present.{layer}.{kind} has no producer")
     ok = (producer.op == "Concat" and len(producer.inputs) == 2
           and producer.attrs.get("axis") in (-2, 2)
-          and _from_past(producer.inputs[0], past_name(layer, kind)))
+          and _from_past(producer.inputs[0], past_name(layer, kind),
+                             cast_ok=cast_up and contract.kv_dtype == _FLOAT))
     if ok:
         return producer.inputs[1], producer
     if producer.op == "Attention":
@@ -163,11 +194,56 @@ def _check_attention_attrs(node: gs.Node, fail) -> None:
         raise fail(f"Attention node '{node.name}' exposes its qk scores")
 
 
-def _scores_to_softmax(score: gs.Node, fail) -> tuple[gs.Node, float, str]:
+@dataclass(frozen=True)
+class _Softmax:
+    name: str
+    inp: gs.Variable  # what it normalizes: the masked scores
+    out: gs.Variable  # the probabilities
+
+
+def _last_axis(n: gs.Node) -> bool:
+    """A Reduce* over the last of 4 axes, keeping it."""
+    axes = n.attrs.get("axes")
+    if axes is None and len(n.inputs) > 1 and isinstance(n.inputs[1], gs.Constant):
+        axes = n.inputs[1].values.reshape(-1).tolist()
+    return list(axes or []) in ([-1], [3]) and n.attrs.get("keepdims", 1) == 1
+
+
+def _inlined_softmax(t: gs.Variable) -> _Softmax | None:
+    """onnxruntime inlines Softmax's function body where no kernel takes its type (float16
+    on a CPU), each step in float32 between casts:
+        t --+--> ReduceMax --+
+            +--------------> Sub --> Exp --+--> ReduceSum --+
+                                           +--------------> Div --> probabilities
+    the same arithmetic as the Softmax op."""
+    users = live_consumers(t)
+    top = next((n for n in users if n.op == "ReduceMax"), None)
+    sub = next((n for n in users if n.op == "Sub"), None)
+    if len(users) != 2 or top is None or sub is None or not _last_axis(top):
+        return None
+    if list(sub.inputs) != [t, top.outputs[0]] or live_consumers(top.outputs[0]) != [sub]:
+        return None
+    exp = live_consumers(sub.outputs[0])
+    if len(exp) != 1 or exp[0].op != "Exp":
+        return None
+    e = exp[0].outputs[0]
+    users = live_consumers(e)
+    total = next((n for n in users if n.op == "ReduceSum"), None)
+    div = next((n for n in users if n.op == "Div"), None)
+    if len(users) != 2 or total is None or div is None or not _last_axis(total):
+        return None
+    if list(div.inputs) != [e, total.outputs[0]] or live_consumers(total.outputs[0]) != [div]:
+        return None
+    return _Softmax(div.name, t, div.outputs[0])
+
+
+def _scores_to_softmax(score: gs.Node, fail) -> tuple[_Softmax, float, str]:
     """Walk scores -> Softmax through scale and mask ops; returns (Softmax, scale factor,
     the first mask node's name, or the Softmax's when there is none)."""
     t, factor, mask = score.outputs[0], 1.0, None
     while True:
+        if (inlined := _inlined_softmax(t)) is not None:
+            return inlined, factor, mask or inlined.name
         users = live_consumers(t)
         if len(users) != 1:
             raise fail(f"scores {t.name} have {len(users)} consumers")
@@ -176,11 +252,13 @@ def _scores_to_softmax(score: gs.Node, fail) -> tuple[gs.Node, float, str]:
         if n.op == "Softmax":
             if n.attrs.get("axis", -1) not in (-1, 3):
                 raise fail(f"Softmax '{n.name}' is not over the key axis")
-            return n, factor, mask or n.name
+            return _Softmax(n.name, t, n.outputs[0]), factor, mask or n.name
         if step is not None:
             factor *= step
         elif n.op == "Tanh":
             raise fail(f"soft-capped attention (Tanh node '{n.name}') is not supported")
+        elif n.op == "Cast" and not widening(n):
+            raise fail(f"Cast node '{n.name}' rounds the scores before the Softmax")
         elif n.op not in ("Add", "Where", "Cast"):
             raise fail(f"unexpected {n.op} node '{n.name}' between scores and Softmax")
         elif n.op != "Cast":
@@ -211,7 +289,8 @@ def _probabilities(t: gs.Variable) -> gs.Variable:
     """Softmax's output past casts, identities, dropout and SDPA's NaN guard."""
     while True:
         users = live_consumers(t)
-        if len(users) == 1 and users[0].op in PROBS_PASS:
+        if len(users) == 1 and users[0].op in PROBS_PASS and (
+                users[0].op != "Cast" or widening(users[0])):
             t = users[0].outputs[0]
         elif (guarded := _nan_guard(t)) is not None:
             t = guarded
@@ -229,7 +308,7 @@ def _eager(chain_k: _Chain, chain_v: _Chain, k_new, v_new, contract, layer) -> A
         raise fail(f"the key's path to {score.op} node '{score.name}' transposes {perms}, "
                    "expected one swap of the last two axes")
     softmax, factor, mask = _scores_to_softmax(score, fail)
-    t = _probabilities(softmax.outputs[0])
+    t = _probabilities(softmax.out)
     out_mm = chain_v.end
     if (not _matmul(out_mm, trans_b_ok=False) or out_mm.inputs[0] is not t
             or out_mm.inputs[1] is not chain_v.fed or _alpha(out_mm) != 1.0):
@@ -237,7 +316,12 @@ def _eager(chain_k: _Chain, chain_v: _Chain, k_new, v_new, contract, layer) -> A
         raise fail(f"Softmax '{softmax.name}' and present.{layer}.value do not meet in one "
                    f"MatMul: the probabilities ({t.name}) go to {users}, present.{layer}.value "
                    f"to {chain_v.end.op} '{chain_v.end.name}'")
-    span = SpanSource(mask, scores=score.outputs[0].name, masked=softmax.inputs[0].name,
+    half = [x.name for x in (score.inputs[0], chain_k.fed, t, chain_v.fed) if float16(x)]
+    if half:
+        raise fail(f"MatMul '{score.name}' or '{out_mm.name}' multiplies float16 tensors "
+                   f"({half[0]}): an attention computed in float16 rounds its scores, "
+                   "which SpeculativeVerify does not reproduce")
+    span = SpanSource(mask, scores=score.outputs[0].name, masked=softmax.inp.name,
                       factor=factor)
     q, q_factor = _unscaled(score.inputs[0])
     return AttentionMatch(layer, q, k_new, v_new, out_mm.outputs[0], out_mm,
@@ -281,11 +365,11 @@ def _unscaled(t: gs.Variable) -> tuple[gs.Variable, float]:
 def match_layer(tensors: dict, contract: InputContract, layer: int) -> AttentionMatch:
     fail = lambda why: _unmappable(contract, layer, why)  # noqa: E731
     k_new, k_prod = _split_present(tensors, contract, layer, "key")
-    v_new, _ = _split_present(tensors, contract, layer, "value")
+    v_new, v_prod = _split_present(tensors, contract, layer, "value")
     if k_prod.op == "Attention":
         return _native_cache_attention(k_prod, contract, layer)
-    chain_k = _follow(tensors[present_name(layer, "key")], True, "present key", fail)
-    chain_v = _follow(tensors[present_name(layer, "value")], False, "present value", fail)
+    chain_k = _follow(*_cache(tensors, layer, "key", k_prod), True, "present key", fail)
+    chain_v = _follow(*_cache(tensors, layer, "value", v_prod), False, "present value", fail)
     if chain_v.perms:
         raise fail(f"value path transposes {chain_v.perms}")
     if chain_k.end.op != "Attention":

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from dspark.compiler.passes.graph_util import replace_uses
+from dspark.compiler.passes.graph_util import cast_to, replace_uses
 from dspark.compiler.passes.probe import ProbeShape
 from dspark.runtime.bundle.spec import POSITION_IDS
 from dspark.runtime.errors import UnmappableAttentionError
@@ -71,15 +71,6 @@ def classify(samples: list[np.ndarray], shapes: tuple[ProbeShape, ...]) -> Meani
     return None
 
 
-def _cast(graph: gs.Graph, t: gs.Variable, dtype: np.dtype, name: str) -> gs.Variable:
-    if np.dtype(t.dtype) == np.dtype(dtype):
-        return t
-    out = gs.Variable(f"{name}/cast", dtype=dtype)
-    graph.nodes.append(gs.Node("Cast", f"{name}/Cast", {"to": onnx.helper.np_dtype_to_tensor_dtype(
-        np.dtype(dtype))}, inputs=[t], outputs=[out]))
-    return out
-
-
 def position_input(graph: gs.Graph) -> gs.Variable:
     for t in graph.inputs:
         if t.name == POSITION_IDS:
@@ -102,7 +93,7 @@ def _materialize(graph: gs.Graph, meaning: Meaning, old: gs.Variable, role: str)
                                    inputs=[src, gs.Constant(f"{name}/shape", np.array([-1]))],
                                    outputs=[flat]))
         src = flat
-    return _cast(graph, src, dtype, name)
+    return cast_to(graph, src, dtype, name)
 
 
 def _branch_decided(node: gs.Node) -> gs.Node | None:

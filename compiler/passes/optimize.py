@@ -32,6 +32,7 @@ def optimize(contract: InputContract, workdir: Path, role: str) -> Path:
     _quantize_per_token(out, f"{role}.opt.weights", contract)
     inferred = workdir / f"{role}.inferred.onnx"
     model = infer_types(out)
+    pin_casts(model)
     # onnxruntime lists every domain it knows in the model it writes, ours too (version 1000)
     # once this process has registered the CPU op: the bundle must not depend on that.
     kept = [o for o in model.opset_import if o.domain != VERIFY_DOMAIN]
@@ -39,6 +40,25 @@ def optimize(contract: InputContract, workdir: Path, role: str) -> Path:
     model.opset_import.extend(kept)
     onnx.save(model, str(inferred))
     return inferred
+
+
+ORT_CAST = "InsertedPrecisionFreeCast_"  # onnxruntime's name for the casts it inserts
+
+
+def pin_casts(model: onnx.ModelProto) -> int:
+    """Rename the casts onnxruntime inserted around its float32 kernels in a float16 model.
+
+    Loading a model, onnxruntime removes a Cast to float16 followed by one back to float32
+    when it inserted them itself, which it tells by this name: the value is then not rounded
+    to float16. The optimized model keeps only the casts whose rounding the model computes,
+    so the bundle must keep them all, also where the rewrite puts a cast to float32 after
+    one (a float16 key into a float32 cache). Returns how many were renamed."""
+    renamed = 0
+    for node in model.graph.node:
+        if node.name.startswith(ORT_CAST):
+            node.name = "PinnedCast_" + node.name[len(ORT_CAST):]
+            renamed += 1
+    return renamed
 
 
 def _quantize_per_token(path: Path, weights: str, contract: InputContract) -> None:

@@ -37,6 +37,20 @@ def _depths(graph: gs.Graph) -> dict[str, int]:
     return depth
 
 
+def _with_first_consumer(graph: gs.Graph, node_depth: dict[int, int]) -> None:
+    """A node of constants alone (a float16 model's weight cast up to float32) runs in the
+    segment of its first consumer, not in segment 0 handing its output down every cut."""
+    consumers: dict[int, list[gs.Node]] = {}
+    for n in graph.nodes:
+        for t in n.inputs:
+            for p in t.inputs:
+                consumers.setdefault(id(p), []).append(n)
+    for n in reversed(graph.nodes):
+        if n.op != VERIFY_OP and n.inputs and all(isinstance(t, gs.Constant) for t in n.inputs):
+            users = [node_depth[id(c)] for c in consumers.get(id(n), []) if c.op != VERIFY_OP]
+            node_depth[id(n)] = min(users, default=0)
+
+
 def cut_segments(graph: gs.Graph) -> tuple[list[SegmentCut], dict[str, int]]:
     """Segments in order, and for each SpeculativeVerify node the segment it follows."""
     graph.toposort()
@@ -46,6 +60,7 @@ def cut_segments(graph: gs.Graph) -> tuple[list[SegmentCut], dict[str, int]]:
                    default=0)
         for n in graph.nodes
     }
+    _with_first_consumer(graph, node_depth)
     count = 1 + max(node_depth.values(), default=0)
     cuts = [SegmentCut(i, [], [], []) for i in range(count)]
     after = {}

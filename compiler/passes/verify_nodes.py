@@ -16,8 +16,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from dspark.compiler.contract import InputContract
-from dspark.compiler.passes.attention import AttentionMatch
-from dspark.compiler.passes.graph_util import replace_uses
+from dspark.compiler.passes.attention import AttentionMatch, float16
+from dspark.compiler.passes.graph_util import cast_to, replace_uses
 from dspark.runtime.bundle.spec import VERIFY_DOMAIN, VERIFY_OP
 from dspark.runtime.errors import UnmappableAttentionError
 
@@ -50,10 +50,16 @@ def verify_node_name(role: str, layer: int) -> str:
 
 
 def insert_verify_nodes(graph: gs.Graph, matches: list[AttentionMatch],
-                        geometry: list[LayerGeometry], windows: list[int], role: str) -> int:
-    """`windows`: each layer's attention window (0: every earlier position; passes/span.py)."""
+                        geometry: list[LayerGeometry], windows: list[int], role: str,
+                        kv_dtype=np.float32) -> int:
+    """`windows`: each layer's attention window (0: every earlier position; passes/span.py).
+    A float16 model's keys and values are cast to the cache's type and its q to float32, all
+    exact: its attention ran in float32 on them (passes/attention.py `widening`)."""
     for m, geo, window in zip(matches, geometry, windows):
         name = verify_node_name(role, m.layer)
+        q = cast_to(graph, m.q, np.float32, f"{name}/q", m.q.shape) if float16(m.q) else m.q
+        k, v = (cast_to(graph, t, kv_dtype, f"{name}/{kind}", t.shape)
+                for t, kind in ((m.k_new, "k"), (m.v_new, "v")))
         out = gs.Variable(f"{name}/output_0", dtype=m.out.dtype or np.float32, shape=m.out.shape)
         scale = m.scale if m.scale is not None else 1.0 / math.sqrt(geo.head_dim)
         node = gs.Node(
@@ -61,7 +67,7 @@ def insert_verify_nodes(graph: gs.Graph, matches: list[AttentionMatch],
             attrs={"layer": m.layer, "num_heads": geo.num_heads,
                    "num_kv_heads": geo.num_kv_heads, "head_dim": geo.head_dim,
                    "scale": float(scale), "window": int(window)},
-            inputs=[m.q, m.k_new, m.v_new], outputs=[out],
+            inputs=[q, k, v], outputs=[out],
         )
         replace_uses(graph, m.out, out)
         m.terminal.outputs.clear()

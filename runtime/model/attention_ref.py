@@ -29,7 +29,9 @@ def causal_window_mask(start: int, n: int, window: int = 0) -> torch.Tensor:
 
 def verify_attention(q: torch.Tensor, cache: ContiguousKVCache, layer: int, batch: FlatBatch,
                      scale: float, window: int = 0) -> torch.Tensor:
-    """q: [heads, T, head_dim] -> [heads, T, head_dim]; the cache already holds the new K/V."""
+    """q: [heads, T, head_dim] -> [heads, T, head_dim]; the cache already holds the new K/V.
+    A float16 cache under a float32 q (a float16 model, its attention run in float32) is
+    read up to q's type."""
     out = torch.empty_like(q)
     for i in range(batch.num_seqs):
         a, b = batch.seq_range(i)
@@ -37,7 +39,8 @@ def verify_attention(q: torch.Tensor, cache: ContiguousKVCache, layer: int, batc
         k, v = cache.read(layer, int(batch.slots[i]), start + b - a)
         mask = causal_window_mask(start, b - a, window)
         out[:, a:b] = F.scaled_dot_product_attention(
-            q[None, :, a:b], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
+            q[None, :, a:b], k[None].to(q.dtype), v[None].to(q.dtype), attn_mask=mask,
+            scale=scale, enable_gqa=True
         )[0]
     return out
 

@@ -107,7 +107,9 @@ def _eligible(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]) -
     inputs = list(node.input)
     while inputs and not inputs[-1]:
         inputs.pop()
+    # float32 scales: a float16 model's (transformers.js's q4f16) keeps onnxruntime's kernel
     return (len(inputs) in (3, 4) and all(name in initializers for name in inputs[1:])
+            and initializers[inputs[2]].data_type == onnx.TensorProto.FLOAT
             and attrs.get("bits", 4) in (4, 8) and attrs.get("block_size") == BLOCK
             and attrs.get("accuracy_level", 0) == 4 and attrs.get("K", 0) % BLOCK == 0
             and attrs.get("K", 0) > 0 and attrs.get("N", 0) > 0)

@@ -1,0 +1,144 @@
+"""Float16 models (onnxruntime's `convert_float_to_float16`, as many ONNX model repositories
+ship `model_fp16.onnx`): with float16 cache I/O or with float32 I/O (`keep_io_types`), they
+compile, verify within their own float16 noise and decode losslessly."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnxruntime.quantization.matmul_nbits_quantizer import (
+    DefaultWeightOnlyQuantConfig,
+    MatMulNBitsQuantizer,
+)
+from onnxruntime.transformers.float16 import convert_float_to_float16
+
+from dspark.compiler.compile import CompileOptions, compile_bundle
+from dspark.compiler.jitter import jittered
+from dspark.compiler.passes import optimize
+from dspark.compiler.progress import Progress
+from dspark.compiler.reference import OriginalModel
+from dspark.compiler.verify import verify_model
+from dspark.runtime.bundle.bundle import open_bundle
+from dspark.runtime.engine.engine import Engine
+from dspark.runtime.model.attention_ref import ReferenceAttention
+from dspark.runtime.model.batch import FlatBatch, SeqChunk
+from dspark.runtime.model.contiguous_cache import ContiguousKVCache
+from dspark.runtime.model.executor import SegmentedModel
+from dspark.runtime.model.sessions import make_session
+from dspark.runtime.sequence.request import GenerationRequest
+
+from bundle_cache import compiled
+
+FORMS = {"llama-io16": (("llama", "classic"), False), "llama-io32": (("llama", "classic"), True),
+         "gemma3-io32": (("gemma3", "classic"), True), "llama-q4f16": (("llama", "classic"), True)}
+
+
+@pytest.fixture(scope="module")
+def half(fixture_pairs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp16")
+    out = {}
+    for name, (key, keep) in FORMS.items():
+        out[name] = root / f"{name}.onnx"
+        model = convert_float_to_float16(onnx.load(str(fixture_pairs[key][0])),
+                                         keep_io_types=keep)
+        if name.endswith("q4f16"):  # transformers.js's model_q4f16.onnx: 4-bit float16 MatMuls
+            quantizer = MatMulNBitsQuantizer(model, algo_config=DefaultWeightOnlyQuantConfig(
+                block_size=32, is_symmetric=True, accuracy_level=4))
+            quantizer.process()
+            model = quantizer.model.model
+        onnx.save(model, str(out[name]))
+    return out
+
+
+def _bundle(path, out, draft=None):
+    return open_bundle(compiled(CompileOptions(path, draft, out, max_seq_len=256,
+                                               kv_budget_mb=8)))
+
+
+@pytest.mark.parametrize("name", list(FORMS))
+def test_a_float16_model_compiles_and_verifies(half, name, tmp_path):
+    """Every attention becomes SpeculativeVerify (the Gemma 3 fixture: sliding windows and
+    q/k norms), and the bundle is within the original's own float16 noise."""
+    bundle = _bundle(half[name], tmp_path / "b.dsmodel")
+    ops = [n.op_type for n in onnx.load(str(bundle.root / "main" / "model.onnx"),
+                                        load_external_data=False).graph.node]
+    assert ops.count("SpeculativeVerify") == bundle.model("main").num_layers
+    report = verify_model(bundle, "main", half[name], seqs=3, steps=3)
+    assert report.ok(1e-3) and report.argmax_agree >= 0.98, report
+
+
+class _Keys(ReferenceAttention):
+    """The reference attention, keeping layer 0's new keys as the op receives them."""
+
+    def __call__(self, op, q, k, v, batch):
+        if op.layer == 0:
+            self.keys = k.copy()
+        return super().__call__(op, q, k, v, batch)
+
+
+def _first_keys(bundle, ids: list[int]) -> np.ndarray:
+    """Layer 0's keys for `ids` as the bundle caches them, [T, kv_heads, head_dim]."""
+    spec = bundle.model("main")
+    attention = _Keys(ContiguousKVCache(spec, 1, 64))
+    SegmentedModel(bundle, "main", attention, split_zero_points=False).forward(
+        FlatBatch.build([SeqChunk(0, 0, tuple(ids))]))
+    return attention.keys
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_keys_keep_their_float16_rounding(half, tmp_path, monkeypatch, pinned):
+    """The cache holds the original's present keys bit for bit. Loading a model, onnxruntime
+    drops a float16 round trip made of casts it inserted itself: unpinned, the keys reach
+    the cache unrounded (a float16 ulp off, within verify's floor, so only this sees it)."""
+    if not pinned:
+        monkeypatch.setattr(optimize, "pin_casts", lambda model: 0)
+    path = half["llama-io32"]
+    out = tmp_path / "b.dsmodel"  # compiled here: the cache would not see the patch
+    compile_bundle(CompileOptions(path, None, out, max_seq_len=256, kv_budget_mb=8),
+                   Progress(quiet=True))
+    bundle = open_bundle(out)
+    ids = [5, 17, 42, 8, 99, 3, 61, 2]
+    original = OriginalModel(path)
+    _, past = original.forward(ids, original.empty_past())
+    want = past[0][0].transpose(1, 0, 2)  # present.0.key [1, kv, T, d] -> [T, kv, d]
+    got = _first_keys(bundle, ids).reshape(want.shape)
+    assert np.array_equal(got, want) == pinned
+
+
+def test_the_floor_is_the_original_itself(half):
+    """The jittered original at factor 1 is the original bit for bit (its optimized graph,
+    casts pinned, loads as the same function); one ulp moves its logits."""
+    path = half["llama-io32"]
+    original = OriginalModel(path)
+    ids = [5, 17, 42, 8, 99, 3, 61, 2]
+    want, _ = original.forward(ids, original.empty_past())
+    same = OriginalModel(path, make_session(jittered(path, 1.0), level="all"))
+    moved = OriginalModel(path, make_session(jittered(path), level="all"))
+    assert np.array_equal(same.forward(ids, same.empty_past())[0], want)
+    assert not np.array_equal(moved.forward(ids, moved.empty_past())[0], want)
+
+
+@pytest.mark.parametrize("name", ["llama-io16", "llama-io32", "llama-q4f16"])
+def test_speculation_on_a_float16_model_is_lossless(half, name, tmp_path):
+    """The model as its own draft and lookup drafts, batched: the same tokens as plain
+    decoding, which are the original's greedy tokens (one fork forgiven: a float32 ulp apart,
+    float16 rounding moves a logit by verify's floor). The q4f16 form's float16 MatMulNBits
+    stay onnxruntime's: MatMulInt4 takes float32 inputs."""
+    path = half[name]
+    bundle = _bundle(path, tmp_path / "b.dsmodel", draft=path)
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(0, 300, n)] for n in (1, 5, 13, 40)]
+    prompts.append(list(range(7, 27)) * 3)
+    runs = {}
+    for method, window in (("plain", 1), ("draft", 4), ("lookup", 4)):
+        seqs = Engine(bundle, "fixed", window, max_batch=5).generate(
+            [GenerationRequest(tuple(p), 30, speculative=method != "plain",
+                               method=None if method == "plain" else method) for p in prompts])
+        runs[method] = [s.generated for s in seqs]
+        if method == "draft":
+            assert sum(s.stats.accepted_tokens for s in seqs) >= 20
+    assert runs["draft"] == runs["plain"] and runs["lookup"] == runs["plain"]
+    original = OriginalModel(path)
+    same = sum(got == original.greedy(p, 30) for p, got in zip(prompts, runs["plain"]))
+    assert same >= len(prompts) - 1
