@@ -11,7 +11,7 @@ from onnxruntime.quantization.matmul_nbits_quantizer import (
     DefaultWeightOnlyQuantConfig,
     MatMulNBitsQuantizer,
 )
-from onnxruntime.transformers.float16 import convert_float_to_float16
+from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
 from dspark.compiler.compile import CompileOptions, compile_bundle
 from dspark.compiler.jitter import jittered
@@ -21,6 +21,7 @@ from dspark.compiler.reference import OriginalModel
 from dspark.compiler.verify import verify_model
 from dspark.runtime.bundle.bundle import open_bundle
 from dspark.runtime.engine.engine import Engine
+from dspark.runtime.errors import UnmappableAttentionError
 from dspark.runtime.model.attention_ref import ReferenceAttention
 from dspark.runtime.model.batch import FlatBatch, SeqChunk
 from dspark.runtime.model.contiguous_cache import ContiguousKVCache
@@ -31,7 +32,10 @@ from dspark.runtime.sequence.request import GenerationRequest
 from bundle_cache import compiled
 
 FORMS = {"llama-io16": (("llama", "classic"), False), "llama-io32": (("llama", "classic"), True),
-         "gemma3-io32": (("gemma3", "classic"), True), "llama-q4f16": (("llama", "classic"), True)}
+         "gemma3-io32": (("gemma3", "classic"), True), "llama-q4f16": (("llama", "classic"), True),
+         "llama-dynamo": (("llama", "dynamo"), True), "llama-sdpa": (("llama", "sdpa"), True),
+         "llama-dynamo-attention32": (("llama", "dynamo"), True)}
+COMPILED = ["llama-io16", "llama-io32", "gemma3-io32", "llama-q4f16", "llama-dynamo-attention32"]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +44,10 @@ def half(fixture_pairs, tmp_path_factory):
     out = {}
     for name, (key, keep) in FORMS.items():
         out[name] = root / f"{name}.onnx"
+        kept = ["Attention"] if name.endswith("attention32") else []
         model = convert_float_to_float16(onnx.load(str(fixture_pairs[key][0])),
-                                         keep_io_types=keep)
+                                         keep_io_types=keep,
+                                         op_block_list=[*DEFAULT_OP_BLOCK_LIST, *kept])
         if name.endswith("q4f16"):  # transformers.js's model_q4f16.onnx: 4-bit float16 MatMuls
             quantizer = MatMulNBitsQuantizer(model, algo_config=DefaultWeightOnlyQuantConfig(
                 block_size=32, is_symmetric=True, accuracy_level=4))
@@ -56,10 +62,11 @@ def _bundle(path, out, draft=None):
                                                kv_budget_mb=8)))
 
 
-@pytest.mark.parametrize("name", list(FORMS))
+@pytest.mark.parametrize("name", COMPILED)
 def test_a_float16_model_compiles_and_verifies(half, name, tmp_path):
     """Every attention becomes SpeculativeVerify (the Gemma 3 fixture: sliding windows and
-    q/k norms), and the bundle is within the original's own float16 noise."""
+    q/k norms; the dynamo export's ONNX Attention kept in float32 by the conversion), and the
+    bundle is within the original's own float16 noise."""
     bundle = _bundle(half[name], tmp_path / "b.dsmodel")
     ops = [n.op_type for n in onnx.load(str(bundle.root / "main" / "model.onnx"),
                                         load_external_data=False).graph.node]
@@ -142,3 +149,16 @@ def test_speculation_on_a_float16_model_is_lossless(half, name, tmp_path):
     original = OriginalModel(path)
     same = sum(got == original.greedy(p, 30) for p, got in zip(prompts, runs["plain"]))
     assert same >= len(prompts) - 1
+
+
+@pytest.mark.parametrize("name, why", [
+    ("llama-dynamo", r"Attention node '.*' takes float16 q/k/v: onnxruntime computes it in "
+                     r"float16"),
+    ("llama-sdpa", r"Cast node '.*Softmax.*' rounds the probabilities .* to float16 before"),
+])
+def test_an_attention_computed_in_float16_is_refused_naming_the_node(half, name, why, tmp_path):
+    """onnxruntime runs the ONNX Attention natively in float16, and SDPA's NaN guard rounds
+    the probabilities to float16: SpeculativeVerify reproduces neither rounding."""
+    with pytest.raises(UnmappableAttentionError, match=r"layer 0: cannot map attention: " + why):
+        compiled(CompileOptions(half[name], None, tmp_path / "b.dsmodel", max_seq_len=256,
+                                kv_budget_mb=8))

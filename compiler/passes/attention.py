@@ -192,6 +192,10 @@ def _check_attention_attrs(node: gs.Node, fail) -> None:
         raise fail(f"soft-capped Attention node '{node.name}' is not supported")
     if int(node.attrs.get("qk_matmul_output_mode", 0)) != 0 or len(node.outputs) == 4:
         raise fail(f"Attention node '{node.name}' exposes its qk scores")
+    if any(float16(t) for t in node.inputs[:3]):
+        raise fail(f"Attention node '{node.name}' takes float16 q/k/v: onnxruntime computes it "
+                   "in float16, whose rounding SpeculativeVerify does not reproduce (convert "
+                   "the model with the attention kept in float32, or export it in float32)")
 
 
 @dataclass(frozen=True)
@@ -234,7 +238,7 @@ def _inlined_softmax(t: gs.Variable) -> _Softmax | None:
         return None
     if list(div.inputs) != [e, total.outputs[0]] or live_consumers(total.outputs[0]) != [div]:
         return None
-    return _Softmax(div.name, t, div.outputs[0])
+    return _Softmax(div.name or div.outputs[0].name, t, div.outputs[0])
 
 
 def _scores_to_softmax(score: gs.Node, fail) -> tuple[_Softmax, float, str]:
@@ -310,6 +314,12 @@ def _eager(chain_k: _Chain, chain_v: _Chain, k_new, v_new, contract, layer) -> A
     softmax, factor, mask = _scores_to_softmax(score, fail)
     t = _probabilities(softmax.out)
     out_mm = chain_v.end
+    narrowing = [n for n in live_consumers(t) if n.op == "Cast" and not widening(n)]
+    if narrowing:
+        raise fail(f"Cast node '{narrowing[0].name}' rounds the probabilities ({t.name}) to "
+                   f"{onnx.TensorProto.DataType.Name(narrowing[0].attrs.get('to', 0)).lower()} "
+                   "before their MatMul with the values, which SpeculativeVerify does not "
+                   "reproduce")
     if (not _matmul(out_mm, trans_b_ok=False) or out_mm.inputs[0] is not t
             or out_mm.inputs[1] is not chain_v.fed or _alpha(out_mm) != 1.0):
         users = ", ".join(f"{n.op} '{n.name}'" for n in live_consumers(t)) or "nothing"
