@@ -35,7 +35,8 @@ FORMS = {"llama-io16": (("llama", "classic"), False), "llama-io32": (("llama", "
          "gemma3-io32": (("gemma3", "classic"), True), "llama-q4f16": (("llama", "classic"), True),
          "llama-dynamo": (("llama", "dynamo"), True), "llama-sdpa": (("llama", "sdpa"), True),
          "llama-dynamo-attention32": (("llama", "dynamo"), True)}
-COMPILED = ["llama-io16", "llama-io32", "gemma3-io32", "llama-q4f16", "llama-dynamo-attention32"]
+COMPILED = ["llama-io16", "llama-io32", "gemma3-io32", "llama-q4f16", "llama-sdpa",
+            "llama-dynamo-attention32"]
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +66,9 @@ def _bundle(path, out, draft=None):
 @pytest.mark.parametrize("name", COMPILED)
 def test_a_float16_model_compiles_and_verifies(half, name, tmp_path):
     """Every attention becomes SpeculativeVerify (the Gemma 3 fixture: sliding windows and
-    q/k norms; the dynamo export's ONNX Attention kept in float32 by the conversion), and the
-    bundle is within the original's own float16 noise."""
+    q/k norms; SDPA's NaN guard, its IsNaN run in float16 on the probabilities cast down; the
+    dynamo export's ONNX Attention kept in float32 by the conversion), and the bundle is
+    within the original's own float16 noise."""
     bundle = _bundle(half[name], tmp_path / "b.dsmodel")
     ops = [n.op_type for n in onnx.load(str(bundle.root / "main" / "model.onnx"),
                                         load_external_data=False).graph.node]
@@ -126,7 +128,7 @@ def test_the_floor_is_the_original_itself(half):
     assert not np.array_equal(moved.forward(ids, moved.empty_past())[0], want)
 
 
-@pytest.mark.parametrize("name", ["llama-io16", "llama-io32", "llama-q4f16"])
+@pytest.mark.parametrize("name", ["llama-io16", "llama-io32", "llama-q4f16", "llama-sdpa"])
 def test_speculation_on_a_float16_model_is_lossless(half, name, tmp_path):
     """The model as its own draft and lookup drafts, batched: the same tokens as plain
     decoding, which are the original's greedy tokens (one fork forgiven: a float32 ulp apart,
@@ -151,14 +153,35 @@ def test_speculation_on_a_float16_model_is_lossless(half, name, tmp_path):
     assert same >= len(prompts) - 1
 
 
-@pytest.mark.parametrize("name, why", [
-    ("llama-dynamo", r"Attention node '.*' takes float16 q/k/v: onnxruntime computes it in "
-                     r"float16"),
-    ("llama-sdpa", r"Cast node '.*Softmax.*' rounds the probabilities .* to float16 before"),
-])
-def test_an_attention_computed_in_float16_is_refused_naming_the_node(half, name, why, tmp_path):
-    """onnxruntime runs the ONNX Attention natively in float16, and SDPA's NaN guard rounds
-    the probabilities to float16: SpeculativeVerify reproduces neither rounding."""
-    with pytest.raises(UnmappableAttentionError, match=r"layer 0: cannot map attention: " + why):
-        compiled(CompileOptions(half[name], None, tmp_path / "b.dsmodel", max_seq_len=256,
+def test_an_attention_computed_in_float16_is_refused_naming_the_node(half, tmp_path):
+    """onnxruntime runs the ONNX Attention natively in float16: SpeculativeVerify does not
+    reproduce its rounding."""
+    with pytest.raises(UnmappableAttentionError, match=r"layer 0: cannot map attention: "
+                       r"Attention node '.*' takes float16 q/k/v: onnxruntime computes it in "
+                       r"float16"):
+        compiled(CompileOptions(half["llama-dynamo"], None, tmp_path / "b.dsmodel",
+                                max_seq_len=256, kv_budget_mb=8))
+
+
+def test_probabilities_rounded_to_float16_are_refused_naming_the_cast(fixture_pairs, tmp_path):
+    """A model casting its probabilities down and back up before the values' MatMul (a
+    float16 export's softmax(..., dtype=float32).to(float16)) rounds them there."""
+    model = onnx.load(str(fixture_pairs[("llama", "classic")][0]))
+    nodes = list(model.graph.node)
+    softmax = next(n for n in nodes if n.op_type == "Softmax")
+    out = softmax.output[0]
+    softmax.output[0] = f"{out}/exact"
+    at = nodes.index(softmax) + 1
+    nodes[at:at] = [
+        onnx.helper.make_node("Cast", [f"{out}/exact"], [f"{out}/half"], "ProbsDown",
+                              to=onnx.TensorProto.FLOAT16),
+        onnx.helper.make_node("Cast", [f"{out}/half"], [out], "ProbsUp",
+                              to=onnx.TensorProto.FLOAT)]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    path = tmp_path / "rounded.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(UnmappableAttentionError, match=r"layer 0: cannot map attention: Cast "
+                       r"node 'ProbsDown' rounds the probabilities .* to float16 before"):
+        compiled(CompileOptions(path, None, tmp_path / "b.dsmodel", max_seq_len=256,
                                 kv_budget_mb=8))

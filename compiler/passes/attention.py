@@ -278,10 +278,17 @@ def _nan_guard(t: gs.Variable) -> gs.Variable | None:
     guard never fires here and the probabilities pass through unchanged:
         p --+--> IsNaN --> Where(nan, 0, p) --> probabilities
             +------------------^
+    In a float16 model onnxruntime runs the Where in float32 on p and the IsNaN in float16
+    on p cast down, which is NaN exactly where p is.
     """
     users = live_consumers(t)
-    isnan = next((n for n in users if n.op == "IsNaN"), None)
+    isnan = next((n for n in users if n.op in ("IsNaN", "Cast")), None)
     where = next((n for n in users if n.op == "Where"), None)
+    if isnan is not None and isnan.op == "Cast":
+        tested = live_consumers(isnan.outputs[0])
+        floats = (_FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+        isnan = (tested[0] if len(tested) == 1 and tested[0].op == "IsNaN"
+                 and isnan.attrs.get("to") in floats else None)
     if len(users) != 2 or isnan is None or where is None:
         return None
     ok = (where.inputs[0] is isnan.outputs[0] and where.inputs[2] is t
