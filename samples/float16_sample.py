@@ -4,6 +4,9 @@ repositories' `model_fp16.onnx` are made), compiled with the sample's int4 draft
 
     python samples/smollm2.py         # the sample pair, first
     python samples/float16_sample.py  # build/smollm2-f16/main.onnx, build/smollm2-f16.dsmodel
+    python samples/float16_sample.py --sample build/peers/optimum \
+        --out build/smollm2-optimum-f16 --bundle build/smollm2-optimum-f16.dsmodel
+                                      # optimum's export (samples/bench_peers.py --setup)
 
 onnxruntime runs such a model's MatMuls and Softmax in float32 between casts; dsc reads its
 attention through them (docs/models.md).

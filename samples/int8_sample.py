@@ -19,31 +19,34 @@ from pathlib import Path
 
 
 def arguments(doc: str, name: str) -> argparse.Namespace:
-    """--sample (the SmolLM2 sample's folder), --out and --bundle for the converted main."""
+    """--sample (the folder of the main to convert: main.onnx or model.onnx), --draft (its
+    folder's tokenizer files come along), --out and --bundle for the converted main."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--sample", type=Path, default=Path("build/smollm2"))
+    p.add_argument("--draft", type=Path, default=Path("build/smollm2/draft.onnx"))
     p.add_argument("--out", type=Path, default=Path(f"build/{name}"))
     p.add_argument("--bundle", type=Path, default=Path(f"build/{name}.dsmodel"))
     return p.parse_args()
 
 
 def converted(args: argparse.Namespace, convert) -> None:
-    """convert(main.onnx, tmp) writes the converted main; it lands in --out beside the
-    sample's tokenizer files and is compiled with the sample's draft into --bundle."""
-    main_onnx = args.sample / "main.onnx"
-    if not main_onnx.exists():
-        sys.exit(f"error: {main_onnx}: no such file (run samples/smollm2.py first)")
+    """convert(main, tmp) writes the converted main; it lands in --out beside the draft's
+    tokenizer files and is compiled with the draft into --bundle."""
+    main_onnx = next((f for f in (args.sample / "main.onnx", args.sample / "model.onnx")
+                      if f.exists()), None)
+    if main_onnx is None or not args.draft.exists():
+        sys.exit(f"error: {args.sample}/main.onnx or {args.draft}: no such file (run "
+                 "samples/smollm2.py first)")
     args.out.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (args.sample / name).exists():
-            shutil.copy(args.sample / name, args.out / name)
+        if (args.draft.parent / name).exists():
+            shutil.copy(args.draft.parent / name, args.out / name)
     tmp = args.out / "main.tmp.onnx"
     convert(main_onnx, tmp)
     tmp.rename(args.out / "main.onnx")
     dsc = Path(sys.executable).parent / "dsc"
-    subprocess.run([str(dsc), "compile", str(args.out / "main.onnx"),
-                    str(args.sample / "draft.onnx"), "-o", str(args.bundle), "--force"],
-                   check=True)
+    subprocess.run([str(dsc), "compile", str(args.out / "main.onnx"), str(args.draft), "-o",
+                    str(args.bundle), "--force"], check=True)
 
 
 def main() -> None:

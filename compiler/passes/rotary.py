@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from dspark.compiler.passes.graph_util import producer
+from dspark.compiler.passes.graph_util import cast_to, producer
 from dspark.runtime.bundle.spec import POSITION_IDS, VERIFY_OP
 
 CONTRIB = "com.microsoft"
@@ -58,14 +58,21 @@ def _last_axis_slice(node: gs.Node | None) -> tuple[gs.Tensor, int, int] | None:
     return node.inputs[0], starts[0], ends[0]
 
 
+def uncast(t: gs.Tensor) -> gs.Tensor:
+    """t before a Cast up to float32 (a float16 model's: onnxruntime slices in float16 and
+    computes in float32, passes/attention.py `widening`)."""
+    node = producer(t, "Cast")
+    return node.inputs[0] if node is not None and node.attrs.get("to") == 1 else t
+
+
 def _rotate_half(rot: gs.Tensor) -> tuple[gs.Tensor, int] | None:
     """x and h if rot == Concat(-x[..., h:], x[..., :h]) on the last axis."""
     concat = producer(rot, "Concat")
     if concat is None or concat.attrs.get("axis") not in (-1, 3) or len(concat.inputs) != 2:
         return None
     neg = producer(concat.inputs[0], "Neg")
-    upper = _last_axis_slice(producer(neg.inputs[0], "Slice")) if neg else None
-    lower = _last_axis_slice(producer(concat.inputs[1], "Slice"))
+    upper = _last_axis_slice(producer(uncast(neg.inputs[0]), "Slice")) if neg else None
+    lower = _last_axis_slice(producer(uncast(concat.inputs[1]), "Slice"))
     if upper is None or lower is None or upper[0] is not lower[0]:
         return None
     (x, hi_start, hi_end), (_, lo_start, lo_end) = upper, lower
@@ -81,10 +88,10 @@ def _match(add: gs.Node) -> RotaryMatch | None:
     for plain, rotated in (muls, muls[::-1]):
         for a, b in (rotated.inputs, rotated.inputs[::-1]):
             found = _rotate_half(a)
-            if found is None or all(t is not found[0] for t in plain.inputs):
+            if found is None or all(uncast(t) is not found[0] for t in plain.inputs):
                 continue
             x, half = found
-            cos = plain.inputs[1] if plain.inputs[0] is x else plain.inputs[0]
+            cos = plain.inputs[1] if uncast(plain.inputs[0]) is x else plain.inputs[0]
             if isinstance(cos, gs.Variable) and isinstance(b, gs.Variable):
                 return RotaryMatch(add, x, cos, b, half)
     return None
@@ -92,6 +99,16 @@ def _match(add: gs.Node) -> RotaryMatch | None:
 
 def _slot(node: gs.Node, t: gs.Tensor) -> int:
     return next(i for i, x in enumerate(node.inputs) if x is t)
+
+
+def _reader(y: gs.Variable) -> tuple[gs.Node, bool] | None:
+    """The SpeculativeVerify reading y as q or k (past a float16 model's casts: its k is
+    rounded to float16 and cast up for the cache), and whether as q; else None."""
+    while len(y.outputs) == 1 and y.outputs[0].op == "Cast":
+        y = y.outputs[0].outputs[0]
+    if len(y.outputs) != 1 or y.outputs[0].op != VERIFY_OP or _slot(y.outputs[0], y) > 1:
+        return None
+    return y.outputs[0], _slot(y.outputs[0], y) == 0
 
 
 def find_rotary(graph: gs.Graph) -> tuple[list[RotaryMatch], list[str]]:
@@ -104,8 +121,7 @@ def find_rotary(graph: gs.Graph) -> tuple[list[RotaryMatch], list[str]]:
         m = _match(node)
         if m is None:
             continue
-        y = node.outputs[0]
-        if y.outputs and all(c.op == VERIFY_OP and _slot(c, y) in (0, 1) for c in y.outputs):
+        if _reader(node.outputs[0]) is not None:
             found.append(m)
         else:
             unusable.append(f"{node.name} (not read by SpeculativeVerify as q or k)")
@@ -207,6 +223,8 @@ def _emit(graph: gs.Graph, m: RotaryMatch, name: str, heads: int, positions: gs.
     inner = producer(source, "Reshape")
     if inner is not None and len(source.outputs) == 1:  # reshape the projection directly
         source = inner.inputs[0]
+    if source.dtype is not None and np.dtype(source.dtype) != np.dtype(y.dtype):
+        source = cast_to(graph, source, y.dtype, f"{name}/input")  # float16 up: exact
     flat = [positions.shape[0], 1, heads * dim]
     rows, out = (gs.Variable(f"{name}/{k}", dtype=y.dtype, shape=flat) for k in ("rows", "out"))
     back = gs.Variable(f"{name}/back", dtype=y.dtype)
@@ -245,8 +263,7 @@ def fuse_rotary(graph: gs.Graph, role: str, max_positions: int) -> tuple[int, li
             unfused.append(f"{m.add.name} (its input is not [1, T, heads, dim] transposed)")
             continue
         positions = positions or position_rows(graph, role)
-        verify = m.add.outputs[0].outputs[0]
-        q = _slot(verify, m.add.outputs[0]) == 0
+        verify, q = _reader(m.add.outputs[0])
         heads = int(verify.attrs["num_heads" if q else "num_kv_heads"])
         name = f"{verify.name.rsplit('/', 1)[0]}/rotary_{'q' if q else 'k'}"
         _emit(graph, m, name, heads, positions, tables[key])
