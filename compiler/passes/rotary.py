@@ -106,9 +106,11 @@ def _reader(y: gs.Variable) -> tuple[gs.Node, bool] | None:
     rounded to float16 and cast up for the cache), and whether as q; else None."""
     while len(y.outputs) == 1 and y.outputs[0].op == "Cast":
         y = y.outputs[0].outputs[0]
-    if len(y.outputs) != 1 or y.outputs[0].op != VERIFY_OP or _slot(y.outputs[0], y) > 1:
+    node = y.outputs[0] if y.outputs else None
+    if node is None or node.op != VERIFY_OP or any(c is not node for c in y.outputs):
         return None
-    return y.outputs[0], _slot(y.outputs[0], y) == 0
+    slot = _slot(node, y)
+    return (node, slot == 0) if slot <= 1 else None
 
 
 def find_rotary(graph: gs.Graph) -> tuple[list[RotaryMatch], list[str]]:

@@ -106,6 +106,20 @@ def token_sinks(out: gs.Variable, heads: int, dim: int) -> list[gs.Node] | None:
     return sinks or None
 
 
+def _casts_after(out: gs.Variable) -> list[gs.Node]:
+    """The Casts `out` goes through alone (a float16 model's result rounded to float16)."""
+    casts = []
+    while len(out.outputs) == 1 and out.outputs[0].op == "Cast":
+        casts.append(out.outputs[0])
+        out = out.outputs[0].outputs[0]
+    return casts
+
+
+def _after_casts(out: gs.Variable) -> gs.Variable:
+    casts = _casts_after(out)
+    return casts[-1].outputs[0] if casts else out
+
+
 def _wire_out(graph: gs.Graph, out: gs.Variable, sinks: list[gs.Node], heads: int,
               dim: int) -> None:
     """out becomes [1, T, heads*dim]; a Reshape that would give that shape goes."""
@@ -118,15 +132,57 @@ def _wire_out(graph: gs.Graph, out: gs.Variable, sinks: list[gs.Node], heads: in
             node.inputs[0] = out
 
 
+def _casts_before(t: gs.Tensor) -> tuple[gs.Tensor, list[gs.Node]]:
+    """t before the Casts that make it (a float16 model's key rounded and cast up for the
+    cache), and those Casts, first first, if nothing else reads their outputs."""
+    casts = []
+    while (cast := producer(t, "Cast")) is not None and len(t.outputs) == 1:
+        casts.insert(0, cast)
+        t = cast.inputs[0]
+    return t, casts
+
+
+def _cast_like(graph: gs.Graph, t: gs.Variable, casts: list[gs.Node], name: str
+               ) -> gs.Variable:
+    """t through the same Casts (a Cast commutes with the layout ops: elementwise)."""
+    for i, cast in enumerate(casts):
+        out = gs.Variable(f"{name}/cast_{i}", dtype=cast.outputs[0].dtype, shape=t.shape)
+        graph.nodes.append(gs.Node("Cast", f"{name}/Cast_{i}", dict(cast.attrs), [t], [out]))
+        t = out
+    return t
+
+
+def _source(graph: gs.Graph, t: gs.Tensor, name: str) -> gs.Variable | None:
+    """token_source of t, also past Casts before or after the Transpose (a float16 model's:
+    made on the earliest typed token tensor instead, in the same order)."""
+    before, casts = _casts_before(t)
+    node = producer(before, "Transpose")
+    if not _swaps_heads(node):
+        return None
+    x = node.inputs[0]
+    while True:
+        if (reshape := producer(x, "Reshape")) is not None and _typed(reshape.inputs[0]):
+            x = reshape.inputs[0]
+        elif (cast := producer(x, "Cast")) is not None and len(x.outputs) == 1:
+            casts.insert(0, cast)
+            x = cast.inputs[0]
+        else:
+            break
+    if not _typed(x):
+        return None
+    return _cast_like(graph, x, casts, name) if casts else x
+
+
 def token_major_verify(graph: gs.Graph) -> int:
     """Rewire each SpeculativeVerify node to token-major q/k/v/out; returns how many."""
     done = 0
     for node in [n for n in graph.nodes if n.op == VERIFY_OP]:
         heads, kv, dim = (int(node.attrs[a]) for a in ("num_heads", "num_kv_heads", "head_dim"))
-        plain = [token_source(t) for t in node.inputs]
+        plain = [_source(graph, t, f"{node.name}/{k}") for t, k in zip(node.inputs, "qkv")]
         rotary = [None if p is not None else _rotary_source(t, h, dim)
                   for p, t, h in zip(plain, node.inputs, (heads, kv, kv))]
-        sinks = token_sinks(node.outputs[0], heads, dim)
+        out, casts = node.outputs[0], _casts_after(node.outputs[0])
+        sinks = token_sinks(_after_casts(out), heads, dim)
         if sinks is None or any(p is None and r is None for p, r in zip(plain, rotary)):
             continue
         for i, (p, r) in enumerate(zip(plain, rotary)):
@@ -136,7 +192,8 @@ def token_major_verify(graph: gs.Graph) -> int:
                 op, x = r
                 op.inputs[0] = x
                 op.outputs[0].shape = list(x.shape)
-        _wire_out(graph, node.outputs[0], sinks, heads, dim)
+        out.shape = [1, "tokens", heads * dim]
+        _wire_out(graph, _cast_like(graph, out, casts, f"{node.name}/out"), sinks, heads, dim)
         node.attrs["layout"] = "tokens"
         done += 1
     graph.cleanup().toposort()
