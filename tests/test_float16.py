@@ -67,12 +67,21 @@ def _bundle(path, out, draft=None):
 def test_a_float16_model_compiles_and_verifies(half, name, tmp_path):
     """Every attention becomes SpeculativeVerify (the Gemma 3 fixture: sliding windows and
     q/k norms; SDPA's NaN guard, its IsNaN run in float16 on the probabilities cast down; the
-    dynamo export's ONNX Attention kept in float32 by the conversion), and the bundle is
-    within the original's own float16 noise."""
+    dynamo export's ONNX Attention kept in float32 by the conversion), the rotaries fuse
+    through the casts and a tied head is stored once, and the bundle is within the original's
+    own float16 noise."""
     bundle = _bundle(half[name], tmp_path / "b.dsmodel")
     ops = [n.op_type for n in onnx.load(str(bundle.root / "main" / "model.onnx"),
                                         load_external_data=False).graph.node]
     assert ops.count("SpeculativeVerify") == bundle.model("main").num_layers
+    passes = bundle.manifest.stage1["main"]["passes"]
+    if name in ("llama-io16", "llama-io32", "llama-sdpa"):
+        assert passes["rotary_fused"] == 2 * passes["verify_nodes"]
+    if name == "gemma3-io32":
+        # its head is the embedding, both float16 tables; its rotary is left as it is: the
+        # q/k norm's output is read unrounded by x * cos, rounded to float16 by the slices
+        # of rotate_half (onnxruntime slices in float16), which no RotaryEmbedding computes
+        assert passes["tied_head_shared"] == 1 and passes["rotary_fused"] == 0
     report = verify_model(bundle, "main", half[name], seqs=3, steps=3)
     assert report.ok(1e-3) and report.argmax_agree >= 0.98, report
 
