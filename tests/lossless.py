@@ -30,3 +30,42 @@ def first_fork(got: list[int], ref: list[int], prompt: list[int], original, eos:
         return None
     assert len(got) == len(ref), (len(got), len(ref))
     return None
+
+
+def mixed_prompts(seed: int = 3) -> list[list[int]]:
+    """Random prompts of 1-40 ids, and one that repeats itself (lookup drafts hold there)."""
+    rng = np.random.default_rng(seed)
+    prompts = [[int(t) for t in rng.integers(0, 300, n)] for n in (1, 5, 13, 40)]
+    return prompts + [list(range(7, 27)) * 3]
+
+
+def three_ways(bundle, prompts: list[list[int]], max_new: int = 30) -> dict[str, list]:
+    """Each prompt's greedy tokens, batched: plain, with the bundle's draft model and with
+    lookup drafts (windows of 4); the draft model must have been tried (20 accepted)."""
+    from dspark.runtime.engine.engine import Engine
+    from dspark.runtime.sequence.request import GenerationRequest
+
+    runs = {}
+    for method, window in (("plain", 1), ("draft", 4), ("lookup", 4)):
+        seqs = Engine(bundle, "fixed", window, max_batch=len(prompts)).generate(
+            [GenerationRequest(tuple(p), max_new, speculative=method != "plain",
+                               method=None if method == "plain" else method) for p in prompts])
+        runs[method] = [s.generated for s in seqs]
+        if method == "draft":
+            assert sum(s.stats.accepted_tokens for s in seqs) >= 20
+    return runs
+
+
+def check_self_drafted(bundle, path, forgiven: int = 1) -> None:
+    """A bundle whose draft is its main (`path`): on mixed_prompts, draft and lookup
+    speculation give plain decoding's tokens, and plain decoding gives the original's own
+    greedy tokens on all prompts but `forgiven` (a float ulp apart, a rounding model's
+    logits move by verify's floor)."""
+    from dspark.compiler.reference import OriginalModel
+
+    prompts = mixed_prompts()
+    runs = three_ways(bundle, prompts)
+    assert runs["draft"] == runs["plain"] and runs["lookup"] == runs["plain"]
+    original = OriginalModel(path)
+    same = sum(got == original.greedy(p, 30) for p, got in zip(prompts, runs["plain"]))
+    assert same >= len(prompts) - forgiven

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from lossless import check_self_drafted
 from onnxruntime.quantization.matmul_nbits_quantizer import (
     DefaultWeightOnlyQuantConfig,
     MatMulNBitsQuantizer,
@@ -20,14 +21,12 @@ from dspark.compiler.progress import Progress
 from dspark.compiler.reference import OriginalModel
 from dspark.compiler.verify import verify_model
 from dspark.runtime.bundle.bundle import open_bundle
-from dspark.runtime.engine.engine import Engine
 from dspark.runtime.errors import UnmappableAttentionError
 from dspark.runtime.model.attention_ref import ReferenceAttention
 from dspark.runtime.model.batch import FlatBatch, SeqChunk
 from dspark.runtime.model.contiguous_cache import ContiguousKVCache
 from dspark.runtime.model.executor import SegmentedModel
 from dspark.runtime.model.sessions import make_session
-from dspark.runtime.sequence.request import GenerationRequest
 
 from bundle_cache import compiled
 
@@ -153,21 +152,7 @@ def test_speculation_on_a_float16_model_is_lossless(half, name, tmp_path):
     stay onnxruntime's: MatMulInt4 takes float32 inputs."""
     path = half[name]
     bundle = _bundle(path, tmp_path / "b.dsmodel", draft=path)
-    rng = np.random.default_rng(3)
-    prompts = [[int(t) for t in rng.integers(0, 300, n)] for n in (1, 5, 13, 40)]
-    prompts.append(list(range(7, 27)) * 3)
-    runs = {}
-    for method, window in (("plain", 1), ("draft", 4), ("lookup", 4)):
-        seqs = Engine(bundle, "fixed", window, max_batch=5).generate(
-            [GenerationRequest(tuple(p), 30, speculative=method != "plain",
-                               method=None if method == "plain" else method) for p in prompts])
-        runs[method] = [s.generated for s in seqs]
-        if method == "draft":
-            assert sum(s.stats.accepted_tokens for s in seqs) >= 20
-    assert runs["draft"] == runs["plain"] and runs["lookup"] == runs["plain"]
-    original = OriginalModel(path)
-    same = sum(got == original.greedy(p, 30) for p, got in zip(prompts, runs["plain"]))
-    assert same >= len(prompts) - 1
+    check_self_drafted(bundle, path)
 
 
 def test_an_attention_computed_in_float16_is_refused_naming_the_node(half, tmp_path):

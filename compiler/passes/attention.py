@@ -213,6 +213,18 @@ def _last_axis(n: gs.Node) -> bool:
     return list(axes or []) in ([-1], [3]) and n.attrs.get("keepdims", 1) == 1
 
 
+def _reduce_then(t: gs.Variable, reduce: str, combine: str) -> gs.Node | None:
+    """combine(t, reduce(t)) when those two are all t feeds, the reduction over the last
+    axis: the combining node."""
+    users = live_consumers(t)
+    red = next((n for n in users if n.op == reduce), None)
+    comb = next((n for n in users if n.op == combine), None)
+    if len(users) != 2 or red is None or comb is None or not _last_axis(red):
+        return None
+    ok = list(comb.inputs) == [t, red.outputs[0]] and live_consumers(red.outputs[0]) == [comb]
+    return comb if ok else None
+
+
 def _inlined_softmax(t: gs.Variable) -> _Softmax | None:
     """onnxruntime inlines Softmax's function body where no kernel takes its type (float16
     on a CPU), each step in float32 between casts:
@@ -220,25 +232,12 @@ def _inlined_softmax(t: gs.Variable) -> _Softmax | None:
             +--------------> Sub --> Exp --+--> ReduceSum --+
                                            +--------------> Div --> probabilities
     the same arithmetic as the Softmax op."""
-    users = live_consumers(t)
-    top = next((n for n in users if n.op == "ReduceMax"), None)
-    sub = next((n for n in users if n.op == "Sub"), None)
-    if len(users) != 2 or top is None or sub is None or not _last_axis(top):
-        return None
-    if list(sub.inputs) != [t, top.outputs[0]] or live_consumers(top.outputs[0]) != [sub]:
-        return None
-    exp = live_consumers(sub.outputs[0])
+    sub = _reduce_then(t, "ReduceMax", "Sub")
+    exp = live_consumers(sub.outputs[0]) if sub is not None else []
     if len(exp) != 1 or exp[0].op != "Exp":
         return None
-    e = exp[0].outputs[0]
-    users = live_consumers(e)
-    total = next((n for n in users if n.op == "ReduceSum"), None)
-    div = next((n for n in users if n.op == "Div"), None)
-    if len(users) != 2 or total is None or div is None or not _last_axis(total):
-        return None
-    if list(div.inputs) != [e, total.outputs[0]] or live_consumers(total.outputs[0]) != [div]:
-        return None
-    return _Softmax(div.name or div.outputs[0].name, t, div.outputs[0])
+    div = _reduce_then(exp[0].outputs[0], "ReduceSum", "Div")
+    return None if div is None else _Softmax(div.name or div.outputs[0].name, t, div.outputs[0])
 
 
 def _scores_to_softmax(score: gs.Node, fail) -> tuple[_Softmax, float, str]:
