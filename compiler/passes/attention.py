@@ -16,16 +16,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
 from dspark.compiler.contract import InputContract, past_name, present_name
-from dspark.compiler.passes.static_value import static_scalar
+from dspark.compiler.passes.softmax import (
+    float16,
+    live_consumers,
+    probabilities,
+    scale_step,
+    scores_to_softmax,
+    widening,
+)
 from dspark.runtime.errors import UnmappableAttentionError
 
 LAYOUT_OPS = frozenset({"Unsqueeze", "Expand", "Reshape", "Transpose", "Identity", "Squeeze"})
-PROBS_PASS = frozenset({"Cast", "Identity", "Dropout"})
 SWAP_LAST = [0, 1, 3, 2]
 _FLOAT = onnx.TensorProto.FLOAT
 
@@ -65,30 +70,6 @@ def _unmappable(contract: InputContract, layer: int, why: str) -> UnmappableAtte
     return UnmappableAttentionError(f"{contract.path}: layer {layer}: cannot map attention: {why}")
 
 
-def scalar(t: gs.Tensor) -> float | None:
-    """t's value if it is one number: a constant, or computed from constants and static
-    dims (optimum's GPT-2 computes its scale from the head dim at run time)."""
-    if isinstance(t, gs.Constant) and t.values.size == 1:
-        return float(t.values.reshape(()))
-    return static_scalar(t)
-
-
-def _scale_step(n: gs.Node, t: gs.Tensor) -> float | None:
-    """Mul/Div of `t` by a scalar constant: the factor it applies, else None."""
-    if n.op not in ("Mul", "Div") or len(n.inputs) != 2:
-        return None
-    other = n.inputs[1] if n.inputs[0] is t else n.inputs[0]
-    c = scalar(other)
-    if c is None or (n.op == "Div" and n.inputs[0] is not t):
-        return None
-    return c if n.op == "Mul" else 1.0 / c
-
-
-def live_consumers(t: gs.Tensor) -> list[gs.Node]:
-    """Consumers that use the values, not only the shape."""
-    return [n for n in t.outputs if n.op != "Shape"]
-
-
 def _cache(tensors: dict, layer: int, kind: str, concat: gs.Node
            ) -> tuple[gs.Variable, gs.Node | None]:
     """Where the attention reads the cache: present, or where present is only the cache cast
@@ -112,24 +93,12 @@ def _follow(t: gs.Variable, skip: gs.Node | None, scale_ok: bool, where: str, fa
                 perms.append(list(n.attrs.get("perm", [])))
             t = n.outputs[0]
             continue
-        step = _scale_step(n, t) if scale_ok else None
+        step = scale_step(n, t) if scale_ok else None
         if step is not None:
             factor *= step
             t = n.outputs[0]
             continue
         return _Chain(n, t, perms, factor)
-
-
-def widening(n: gs.Node) -> bool:
-    """A Cast to float32: it keeps every value of its float16 (or float32) input. In a float16
-    model, onnxruntime's CPU runs each op that has no float16 kernel (MatMul, Softmax) in
-    float32 between such casts, and its optimizer drops the casts back to float16 and up
-    again between two of them: the attention's core runs in float32 on float16 keys."""
-    return n.op == "Cast" and n.attrs.get("to") == _FLOAT
-
-
-def float16(t: gs.Tensor) -> bool:
-    return t.dtype is not None and np.dtype(t.dtype) == np.float16
 
 
 def _from_past(t: gs.Tensor, name: str, cast_ok: bool = False) -> bool:
@@ -198,116 +167,6 @@ def _check_attention_attrs(node: gs.Node, fail) -> None:
                    "the model with the attention kept in float32, or export it in float32)")
 
 
-@dataclass(frozen=True)
-class _Softmax:
-    name: str
-    inp: gs.Variable  # what it normalizes: the masked scores
-    out: gs.Variable  # the probabilities
-
-
-def _last_axis(n: gs.Node) -> bool:
-    """A Reduce* over the last of 4 axes, keeping it."""
-    axes = n.attrs.get("axes")
-    if axes is None and len(n.inputs) > 1 and isinstance(n.inputs[1], gs.Constant):
-        axes = n.inputs[1].values.reshape(-1).tolist()
-    return list(axes or []) in ([-1], [3]) and n.attrs.get("keepdims", 1) == 1
-
-
-def _reduce_then(t: gs.Variable, reduce: str, combine: str) -> gs.Node | None:
-    """combine(t, reduce(t)) when those two are all t feeds, the reduction over the last
-    axis: the combining node."""
-    users = live_consumers(t)
-    red = next((n for n in users if n.op == reduce), None)
-    comb = next((n for n in users if n.op == combine), None)
-    if len(users) != 2 or red is None or comb is None or not _last_axis(red):
-        return None
-    ok = list(comb.inputs) == [t, red.outputs[0]] and live_consumers(red.outputs[0]) == [comb]
-    return comb if ok else None
-
-
-def _inlined_softmax(t: gs.Variable) -> _Softmax | None:
-    """onnxruntime inlines Softmax's function body where no kernel takes its type (float16
-    on a CPU), each step in float32 between casts:
-        t --+--> ReduceMax --+
-            +--------------> Sub --> Exp --+--> ReduceSum --+
-                                           +--------------> Div --> probabilities
-    the same arithmetic as the Softmax op."""
-    sub = _reduce_then(t, "ReduceMax", "Sub")
-    exp = live_consumers(sub.outputs[0]) if sub is not None else []
-    if len(exp) != 1 or exp[0].op != "Exp":
-        return None
-    div = _reduce_then(exp[0].outputs[0], "ReduceSum", "Div")
-    return None if div is None else _Softmax(div.name or div.outputs[0].name, t, div.outputs[0])
-
-
-def _scores_to_softmax(score: gs.Node, fail) -> tuple[_Softmax, float, str]:
-    """Walk scores -> Softmax through scale and mask ops; returns (Softmax, scale factor,
-    the first mask node's name, or the Softmax's when there is none)."""
-    t, factor, mask = score.outputs[0], 1.0, None
-    while True:
-        if (inlined := _inlined_softmax(t)) is not None:
-            return inlined, factor, mask or inlined.name
-        users = live_consumers(t)
-        if len(users) != 1:
-            raise fail(f"scores {t.name} have {len(users)} consumers")
-        n = users[0]
-        step = _scale_step(n, t)
-        if n.op == "Softmax":
-            if n.attrs.get("axis", -1) not in (-1, 3):
-                raise fail(f"Softmax '{n.name}' is not over the key axis")
-            return _Softmax(n.name, t, n.outputs[0]), factor, mask or n.name
-        if step is not None:
-            factor *= step
-        elif n.op == "Tanh":
-            raise fail(f"soft-capped attention (Tanh node '{n.name}') is not supported")
-        elif n.op == "Cast" and not widening(n):
-            raise fail(f"Cast node '{n.name}' rounds the scores before the Softmax")
-        elif n.op not in ("Add", "Where", "Cast"):
-            raise fail(f"unexpected {n.op} node '{n.name}' between scores and Softmax")
-        elif n.op != "Cast":
-            mask = mask or n.name
-        t = n.outputs[0]
-
-
-def _nan_guard(t: gs.Variable) -> gs.Variable | None:
-    """The output of Where(IsNaN(t), 0, t) when that guard is all t feeds, else None.
-
-    torch's SDPA export adds it after the Softmax (optimum's opset-18 exports): a row whose
-    every key is masked is NaN and becomes 0. A causal row always sees its own key, so the
-    guard never fires here and the probabilities pass through unchanged:
-        p --+--> IsNaN --> Where(nan, 0, p) --> probabilities
-            +------------------^
-    In a float16 model onnxruntime runs the Where in float32 on p and the IsNaN in float16
-    on p cast down, which is NaN exactly where p is.
-    """
-    users = live_consumers(t)
-    isnan = next((n for n in users if n.op in ("IsNaN", "Cast")), None)
-    where = next((n for n in users if n.op == "Where"), None)
-    if isnan is not None and isnan.op == "Cast":
-        tested = live_consumers(isnan.outputs[0])
-        floats = (_FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
-        isnan = (tested[0] if len(tested) == 1 and tested[0].op == "IsNaN"
-                 and isnan.attrs.get("to") in floats else None)
-    if len(users) != 2 or isnan is None or where is None:
-        return None
-    ok = (where.inputs[0] is isnan.outputs[0] and where.inputs[2] is t
-          and scalar(where.inputs[1]) == 0.0 and live_consumers(isnan.outputs[0]) == [where])
-    return where.outputs[0] if ok else None
-
-
-def _probabilities(t: gs.Variable) -> gs.Variable:
-    """Softmax's output past casts, identities, dropout and SDPA's NaN guard."""
-    while True:
-        users = live_consumers(t)
-        if len(users) == 1 and users[0].op in PROBS_PASS and (
-                users[0].op != "Cast" or widening(users[0])):
-            t = users[0].outputs[0]
-        elif (guarded := _nan_guard(t)) is not None:
-            t = guarded
-        else:
-            return t
-
-
 def _eager(chain_k: _Chain, chain_v: _Chain, k_new, v_new, contract, layer) -> AttentionMatch:
     fail = lambda why: _unmappable(contract, layer, why)  # noqa: E731
     score = chain_k.end
@@ -317,8 +176,8 @@ def _eager(chain_k: _Chain, chain_v: _Chain, k_new, v_new, contract, layer) -> A
     if perms != [SWAP_LAST]:
         raise fail(f"the key's path to {score.op} node '{score.name}' transposes {perms}, "
                    "expected one swap of the last two axes")
-    softmax, factor, mask = _scores_to_softmax(score, fail)
-    t = _probabilities(softmax.out)
+    softmax, factor, mask = scores_to_softmax(score, fail)
+    t = probabilities(softmax.out)
     out_mm = chain_v.end
     narrowing = [n for n in live_consumers(t) if n.op == "Cast" and not widening(n)]
     if narrowing:
@@ -370,7 +229,7 @@ def _unscaled(t: gs.Variable) -> tuple[gs.Variable, float]:
     while len(t.inputs) == 1 and len(live_consumers(t)) == 1:
         n = t.inputs[0]
         source = next((i for i in n.inputs if isinstance(i, gs.Variable)), None)
-        step = _scale_step(n, source) if source is not None else None
+        step = scale_step(n, source) if source is not None else None
         if step is None:
             break
         factor *= step

@@ -16,8 +16,9 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from dspark.compiler.contract import InputContract
-from dspark.compiler.passes.attention import AttentionMatch, float16
+from dspark.compiler.passes.attention import AttentionMatch
 from dspark.compiler.passes.graph_util import cast_to, replace_uses
+from dspark.compiler.passes.softmax import float16
 from dspark.runtime.bundle.spec import VERIFY_DOMAIN, VERIFY_OP
 from dspark.runtime.errors import UnmappableAttentionError
 
