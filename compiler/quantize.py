@@ -164,8 +164,12 @@ def quantize_file(main: Path, out: Path, head_bits: int = 8) -> QuantReport:
         raise DSparkError(f"{main}: not a readable ONNX model ({e})") from None
     report = quantize_model(model, head_bits)
     if report.projections == 0:
-        raise DSparkError(f"{main}: no MatMul with a float [K, N] weight (K a multiple of "
-                          f"{BLOCK}) to quantize")
+        half = any(t.data_type == onnx.TensorProto.FLOAT16 and len(t.dims) == 2
+                   for t in model.graph.initializer)
+        raise DSparkError(f"{main}: no MatMul with a float32 [K, N] weight (K a multiple of "
+                          f"{BLOCK}) to quantize" + ("; its weights are float16: quantize the "
+                                                     "float32 model it was converted from"
+                                                     if half else ""))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     try:

@@ -187,3 +187,13 @@ def test_probabilities_rounded_to_float16_are_refused_naming_the_cast(fixture_pa
                        r"node 'ProbsDown' rounds the probabilities .* to float16 before"):
         compiled(CompileOptions(path, None, tmp_path / "b.dsmodel", max_seq_len=256,
                                 kv_budget_mb=8))
+
+
+def test_dsc_quantize_refuses_a_float16_main_saying_so(half, tmp_path):
+    from dspark.compiler.quantize import quantize_file
+    from dspark.runtime.errors import DSparkError
+
+    with pytest.raises(DSparkError, match=r"its weights are float16: quantize the float32 "
+                                          r"model it was converted from"):
+        quantize_file(half["llama-io32"], tmp_path / "draft.onnx")
+    assert not list(tmp_path.iterdir())
