@@ -35,6 +35,7 @@ from dspark.compiler.passes.tied_head import share_quantized_tied_head, share_ti
 from dspark.compiler.passes.verify_layout import token_major_verify
 from dspark.compiler.passes.verify_nodes import (
     LayerGeometry,
+    cache_dtype,
     detach_kv_outputs,
     geometry_from_probe,
     insert_verify_nodes,
@@ -98,10 +99,12 @@ class Rewritten:
     windows: list[int]  # each layer's attention window (0: every earlier position)
     vocab_size: int
     counts: dict[str, int]  # what each pass changed, for the compile report
+    kv_dtype: str  # the arena's type for this model (verify_nodes.cache_dtype)
 
 
 def _attention(graph: gs.Graph, contract: InputContract, role: str, opt_path: Path,
-               max_positions: int) -> tuple[ModelAnalysis, list[LayerGeometry], list[int], int]:
+               max_positions: int
+               ) -> tuple[ModelAnalysis, list[LayerGeometry], list[int], int, str]:
     """Every attention becomes SpeculativeVerify: the analysis, each layer's geometry and
     window, and how many nodes. onnxruntime-genai's GroupQueryAttention has its own rewrite
     (passes/gqa.py); every other form is matched by its cache plumbing (passes/attention.py)."""
@@ -111,18 +114,19 @@ def _attention(graph: gs.Graph, contract: InputContract, role: str, opt_path: Pa
         windows = [measured_window(g, max_positions, gqa_failure(contract.path, g))
                    for g in layers]
         geometry = [LayerGeometry(g.heads, g.kv_heads, g.head_dim) for g in layers]
-        return analysis, geometry, windows, replace_gqa(graph, layers, windows, role)
+        return (analysis, geometry, windows, replace_gqa(graph, layers, windows, role),
+                _KV_DTYPES.get(contract.kv_dtype, "float32"))
     matches = find_attentions(graph, contract)
     analysis = ModelAnalysis(opt_path, contract, graph, matches, max_positions)
-    kv = onnx.helper.tensor_dtype_to_np_dtype(contract.kv_dtype)
+    kv = cache_dtype(onnx.helper.tensor_dtype_to_np_dtype(contract.kv_dtype), matches)
     count = insert_verify_nodes(graph, matches, analysis.geometry, analysis.windows, role, kv)
-    return analysis, analysis.geometry, analysis.windows, count
+    return analysis, analysis.geometry, analysis.windows, count, kv.name
 
 
 def rewrite(graph: gs.Graph, contract: InputContract, role: str, progress: Progress,
             opt_path: Path, max_positions: int, lean: bool = True) -> Rewritten:
-    analysis, geometry, windows, nodes = _attention(graph, contract, role, opt_path,
-                                                    max_positions)
+    analysis, geometry, windows, nodes, kv_dtype = _attention(graph, contract, role, opt_path,
+                                                              max_positions)
     counts = {
         "verify_nodes": nodes,
         "sliding_window_layers": sum(1 for w in windows if w),
@@ -149,7 +153,7 @@ def rewrite(graph: gs.Graph, contract: InputContract, role: str, progress: Progr
     counts["tied_head_shared"] = share_tied_head(graph) or share_quantized_tied_head(graph)
     graph.toposort()
     progress.say(f"{role}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
-    return Rewritten(geometry, windows, analysis.vocab_size, counts)
+    return Rewritten(geometry, windows, analysis.vocab_size, counts, kv_dtype)
 
 
 def _uniform(geometry: list[LayerGeometry], contract: InputContract) -> LayerGeometry:
@@ -251,7 +255,7 @@ def compile_model(contract: InputContract, role: str, work: Path, out: Path,
     return ModelSpec(
         role=role, num_layers=contract.num_layers, num_heads=geo.num_heads,
         num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, vocab_size=done.vocab_size,
-        kv_dtype=_KV_DTYPES.get(contract.kv_dtype, "float32"),
+        kv_dtype=done.kv_dtype,
         inputs=tuple(t.name for t in graph.inputs), graph_file=graph_file,
         weights_file=weights_file, segments=segments, verify_ops=tuple(ops),
         max_positions=max_positions,

@@ -18,10 +18,13 @@ import sys
 from pathlib import Path
 
 
-def arguments(doc: str, name: str) -> argparse.Namespace:
+def arguments(doc: str, name: str, more=None) -> argparse.Namespace:
     """--sample (the folder of the main to convert: main.onnx or model.onnx), --draft (its
-    folder's tokenizer files come along), --out and --bundle for the converted main."""
+    folder's tokenizer files come along), --out and --bundle for the converted main;
+    more(parser) adds a converter's own."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if more is not None:
+        more(p)
     p.add_argument("--sample", type=Path, default=Path("build/smollm2"))
     p.add_argument("--draft", type=Path, default=Path("build/smollm2/draft.onnx"))
     p.add_argument("--out", type=Path, default=Path(f"build/{name}"))

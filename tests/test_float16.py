@@ -74,6 +74,8 @@ def test_a_float16_model_compiles_and_verifies(half, name, tmp_path):
                                         load_external_data=False).graph.node]
     assert ops.count("SpeculativeVerify") == bundle.model("main").num_layers
     passes = bundle.manifest.stage1["main"]["passes"]
+    # float16 cache I/O: its new keys and values are float16, held in a float32 arena exactly
+    assert bundle.model("main").kv_dtype == "float32"
     if name in ("llama-io16", "llama-io32", "llama-sdpa"):
         assert passes["rotary_fused"] == 2 * passes["verify_nodes"]
     if name == "gemma3-io32":

@@ -50,6 +50,16 @@ def verify_node_name(role: str, layer: int) -> str:
     return f"/{role}/layers.{layer}/attn/{VERIFY_OP}"
 
 
+def cache_dtype(model: np.dtype, matches: list[AttentionMatch]) -> np.dtype:
+    """The arena's type: the model's cache type, or float32 for a float16 cache whose new
+    keys and values are float16 already (a float16 model's float16 I/O): cast up, they are
+    held exactly, and the C op runs on float32 caches (the segments on any)."""
+    if np.dtype(model) == np.float16 and all(float16(m.k_new) and float16(m.v_new)
+                                             for m in matches):
+        return np.dtype(np.float32)
+    return np.dtype(model)
+
+
 def insert_verify_nodes(graph: gs.Graph, matches: list[AttentionMatch],
                         geometry: list[LayerGeometry], windows: list[int], role: str,
                         kv_dtype=np.float32) -> int:
