@@ -174,13 +174,13 @@ def test_che_seed_example_restores_health(arena):  # noqa: F811
         start = arena.tables[2].lengths["main"]
         arena.reserve(2, "main", start, 8 + 16)
         arena.rollback(2, "main", start)
-    marker = arena.tables[2].blocks[0]
+    marker = arena.tables[2].blocks["main"][0]
     arena.pools["main"].k[1][marker].fill_(7.0)
     before = measure(arena)
     assert before.kdr < 0.75 and before.vfi > 0.12, before
     after = che.run()
     assert after.kdr >= 0.75 and after.vfi <= 0.12, after
-    moved = arena.tables[2].blocks[0]
+    moved = arena.tables[2].blocks["main"][0]
     assert moved != marker and torch.all(arena.pools["main"].k[1][moved] == 7.0)
     assert che.compactions == 1 and che.defrag_moves > 0
     assert hit_rate([[3, 4, 5], [9, 2]]) == 0.8  # 2 is the only block off its run

@@ -3,10 +3,13 @@ drafts, and the model drafter (the hybrid's choice of source: test_hybrid.py).""
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import numpy as np
 import pytest
 
 from dspark.runtime.bundle.config import LookupConfig
+from dspark.runtime.cache.kv_arena import SeqTable
 from dspark.runtime.dflash.policy import KeepRule, RoundView
 from dspark.runtime.drafting.base import DraftWork
 from dspark.runtime.drafting.lookup import LookupDrafter, MatchStats
@@ -89,6 +92,11 @@ class FakeRunner:
 
 
 class FakeArena:
+    """Sequences with nothing cached (the drafter reads what a prefix cache found)."""
+
+    def __init__(self):
+        self.tables = defaultdict(SeqTable)
+
     def rollback(self, seq_id, pool, length):
         pass
 

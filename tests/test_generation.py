@@ -145,7 +145,7 @@ def test_cancel_while_waiting_mid_prefill_and_mid_draft(fixture_pairs, compiled)
     for seq in (prefill, waiting, drafting):
         assert seq.finish_reason == "cancelled"
         assert seq.id not in engine.arena.tables and seq.id not in engine.drafting.states
-    assert engine.arena.free_blocks == engine.plan.num_blocks and not engine.scheduler.reserved
+    assert engine.arena.free_blocks == engine.plan.num_blocks and not engine.scheduler.running
 
 
 @pytest.mark.slow

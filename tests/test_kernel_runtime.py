@@ -70,7 +70,7 @@ def test_rollback_zeroes_exactly_the_rejected_slots(compiled):
     assert all(bool((t != 0).all()) for t in pool.k + pool.v)
     arena.zero_rejected = True
     arena.rollback(0, "main", 21)
-    bs, blocks = arena.block_size, arena.tables[0].blocks
+    bs, blocks = arena.block_size, arena.tables[0].blocks["main"]
     for t in pool.k + pool.v:
         for pos in range(40):
             cleared = not t[blocks[pos // bs], :, pos % bs].any()

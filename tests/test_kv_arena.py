@@ -31,7 +31,8 @@ def arena():
 
 
 def test_one_allocation_viewed_per_pool_and_layer(arena):
-    assert arena.plan.num_blocks == 12
+    assert arena.layout.num_blocks == 12
+    assert [g.num_blocks for g in arena.layout.groups] == [12, 12]
     main, draft = arena.pools["main"], arena.pools["draft"]
     assert main.k[0].shape == (12, 2, 16, 16) and draft.v[0].shape == (12, 1, 16, 8)
     for t in (*main.k, *main.v, *draft.k, *draft.v):
@@ -45,11 +46,13 @@ def test_reserve_rollback_release(arena):
     arena.add_sequence(1)
     arena.reserve(0, "main", 0, 20)  # 2 blocks
     arena.reserve(1, "main", 0, 5)  # 1 block
-    arena.reserve(0, "draft", 0, 33)  # the shared table grows to 3 blocks
-    assert arena.tables[0].blocks == [0, 1, 3] and arena.tables[1].blocks == [2]
-    arena.rollback(0, "draft", 18)  # O(1): block 3 stays as slack until compaction
-    assert arena.tables[0].blocks == [0, 1, 3] and arena.free_blocks == 8
-    assert arena.release_slack(0) == 1 and arena.tables[0].blocks == [0, 1]
+    arena.reserve(0, "draft", 0, 33)  # the draft's own group: 3 blocks
+    assert arena.tables[0].blocks == {"main": [0, 1], "draft": [0, 1, 2]}
+    assert arena.tables[1].blocks["main"] == [2]
+    arena.rollback(0, "draft", 18)  # O(1): block 2 stays as slack until compaction
+    assert arena.tables[0].blocks["draft"] == [0, 1, 2]
+    assert arena.groups["draft"].blocks.available == 9
+    assert arena.release_slack(0) == 1 and arena.tables[0].blocks["draft"] == [0, 1]
     arena.reserve(0, "main", 20, 5)
     arena.rollback(0, "main", 21)  # 4 rejected slots released, none copied
     assert arena.tables[0].lengths == {"main": 21, "draft": 18}
@@ -96,7 +99,7 @@ def test_paged_attention_matches_contiguous_reference(arena, new, windows):
                                     op.window)
             np.testing.assert_allclose(got, want.transpose(0, 1).numpy(), rtol=1e-5, atol=1e-5)
         starts = [a + n for a, n in zip(starts, lens)]
-    assert any(np.diff(arena.tables[s].blocks).max(initial=1) > 1 for s in range(3))
+    assert any(np.diff(arena.tables[s].blocks["main"]).max(initial=1) > 1 for s in range(3))
 
 
 @pytest.mark.parametrize("window", [0, 20])

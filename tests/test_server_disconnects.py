@@ -88,7 +88,7 @@ def test_disconnects_cancel_and_free_the_cache(server):
         assert h.seq.finish_reason == "cancelled" and len(h.seq.generated) < max_tokens
     assert all(h.seq.generated for h in handles[:streams])
     assert not any(h.seq.generated for h in handles[streams:])
-    assert not engine.scheduler.reserved and not engine.arena.tables
+    assert not engine.scheduler.running and not engine.arena.tables
 
 
 @pytest.mark.slow
@@ -116,5 +116,5 @@ def test_disconnect_storm_leaks_nothing(server):
         t.join()
     engine = server.engine
     assert server.wait_idle(timeout=60), (engine.busy, engine.arena.free_blocks)
-    assert not engine.arena.tables and not engine.scheduler.reserved
+    assert not engine.arena.tables and not engine.scheduler.running
     assert not server.state.service.handles and not engine.drafting.states

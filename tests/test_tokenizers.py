@@ -181,4 +181,4 @@ def test_mapped_draft_at_the_exact_length_limit_in_a_small_arena(mapped, tmp_pat
             assert seq.generated == original.greedy(p, 48 - len(p))
     assert engine.drafting.model.room_stalls > 0
     assert sum(s.stats.accepted_tokens for s in seqs) > 0
-    assert engine.arena.free_blocks == engine.plan.num_blocks and not engine.scheduler.reserved
+    assert engine.arena.free_blocks == engine.plan.num_blocks and not engine.scheduler.running

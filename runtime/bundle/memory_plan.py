@@ -5,13 +5,14 @@
     |         layer 0 V [num_blocks][kv_heads][block_size][head_dim]
     |         ... every layer
     +-- draft layer 0 K ...
-A sequence owns logical blocks through one block table shared by both pools: block b of a
-sequence holds positions [b*block_size, (b+1)*block_size) in main and in draft alike.
+This is the plan `dsc compile` writes (memory_plan.json): the bundle's default budget, block
+size and longest sequence. At load the runtime carves the arena into KV groups from it
+(runtime/cache/layout.py): a group per model and attention window, each with blocks and
+block tables of its own, at the budget the server is given.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
@@ -78,35 +79,6 @@ class MemoryPlan:
         pools = tuple(PoolLayout(**p) for p in d["pools"])
         keep = ("block_size", "num_blocks", "max_seq_len", "max_seqs", "budget_bytes", "layout")
         return cls(pools=pools, **{k: d[k] for k in keep})
-
-
-def resized(plan: MemoryPlan, max_seq_len: int) -> MemoryPlan:
-    """The plan with another max sequence length, at most the one it was made for (its
-    arena holds one sequence of it)."""
-    if math.ceil(max_seq_len / plan.block_size) > plan.num_blocks:
-        raise DSparkError(f"max_seq_len {max_seq_len} needs more blocks than the arena's "
-                          f"{plan.num_blocks}")
-    return dataclasses.replace(plan, max_seq_len=max_seq_len,
-                               max_seqs=plan.num_blocks // math.ceil(max_seq_len
-                                                                     / plan.block_size))
-
-
-def without_pools(plan: MemoryPlan, roles: frozenset[str]) -> MemoryPlan:
-    """The plan without the pools of `roles` (drafts that read the main's KV cache and so
-    never write their own), their bytes given to the others: more blocks, same budget."""
-    kept = [p for p in plan.pools if p.role not in roles]
-    if len(kept) == len(plan.pools) or not kept:
-        return plan
-    blocks = max(plan.num_blocks, plan.budget_bytes // (
-        sum(p.bytes_per_token for p in kept) * plan.block_size))
-    pools, offset = [], 0
-    for p in kept:
-        layer_bytes = p.layer_bytes // plan.num_blocks * blocks
-        pools.append(PoolLayout(p.role, p.num_layers, p.num_kv_heads, p.head_dim, p.dtype,
-                                p.bytes_per_token, offset, layer_bytes))
-        offset += 2 * p.num_layers * layer_bytes
-    return MemoryPlan(plan.block_size, blocks, plan.max_seq_len,
-                      blocks // plan.blocks_per_seq, plan.budget_bytes, tuple(pools))
 
 
 def plan_memory(specs: list[ModelSpec], budget_bytes: int, block_size: int,

@@ -29,12 +29,20 @@ class Health:
 
 
 def measure(arena: KVArena) -> Health:
-    bs, used = arena.block_size, arena.used_blocks
-    valid = sum(max(t.lengths.values(), default=0) for t in arena.tables.values())
-    kdr = valid / (used * bs) if used else 1.0
-    allocated = sorted(arena.owner)
-    holes = [b - a - 1 for a, b in zip(allocated, allocated[1:])]
-    vfi = max(holes, default=0) / arena.plan.num_blocks
+    """KDR over the main group's held blocks (a shared block's filled slots counted once),
+    VFI over its occupied blocks (held or cached)."""
+    group = arena.main
+    name, bs, used = group.layout.name, arena.block_size, group.blocks.held
+    filled: dict[int, int] = {}
+    for t in arena.tables.values():
+        length = max(t.lengths.values(), default=0)
+        for i, b in enumerate(t.blocks[name]):
+            if b >= 0:
+                filled[b] = max(filled.get(b, 0), min(bs, max(0, length - i * bs)))
+    kdr = sum(filled.values()) / (used * bs) if used else 1.0
+    occupied = group.blocks.occupied()
+    holes = [b - a - 1 for a, b in zip(occupied, occupied[1:])]
+    vfi = max(holes, default=0) / group.layout.num_blocks
     return Health(kdr, vfi, 0.0, used)
 
 
@@ -60,7 +68,8 @@ class CacheHealth:
         self.config = config.cache_health
 
     def observe_batch(self, seq_ids: list[int]) -> None:
-        self.hit_rate = hit_rate([self.arena.tables[s].blocks for s in seq_ids
+        name = self.arena.main.layout.name
+        self.hit_rate = hit_rate([self.arena.tables[s].blocks[name] for s in seq_ids
                                   if s in self.arena.tables])
 
     def maybe_run(self, now: float | None = None) -> Health:
@@ -89,11 +98,16 @@ class CacheHealth:
         until no hole is above vfi_max or the time budget is spent."""
         deadline = time.perf_counter() + self.config.repair_budget_ms / 1000
         moves = 0
-        while self.arena.owner and self.arena.free and time.perf_counter() < deadline:
-            top, hole = max(self.arena.owner), min(self.arena.free)
+        group = self.arena.main
+        pool = group.blocks
+        while pool.free and time.perf_counter() < deadline:
+            occupied = pool.occupied()
+            if not occupied:
+                break
+            top, hole = occupied[-1], min(pool.free)
             if hole > top:
                 break
-            self.arena.move_block(top, hole)
+            self.arena.move_block(group.layout.name, top, hole)
             moves += 1
             if moves % 8 == 0 and measure(self.arena).vfi <= self.config.vfi_max:
                 break

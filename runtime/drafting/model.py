@@ -20,6 +20,7 @@ proposals change (an int4 copy reading fp32 K/V).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -81,12 +82,16 @@ class ModelDrafter:
     name = "draft"
 
     def __init__(self, runners: dict[str, ModelRunner], arena: KVArena, default: str,
-                 token_maps: dict[str, TokenMap], shared: frozenset[str] = frozenset()):
+                 token_maps: dict[str, TokenMap], shared: frozenset[str] = frozenset(),
+                 commit: Callable[[Sequence, str, int], None] | None = None):
         """token_maps: draft role -> its map to main ids (where tokenizers differ); shared:
         the roles that read the main's KV cache (their runners' pool is the main's, see the
         module doc). Each DraftWork says how far a sequence may fill (room) and how many
-        tokens a catch-up forward reads."""
+        tokens a catch-up forward reads. `commit(seq, pool, final)`: a draft's own cache is
+        final below `final` (the prefix cache keeps it; its window groups drop what they
+        no longer reach)."""
         self.shared = shared
+        self.commit = commit
         self.runners = runners
         self.arena = arena
         self.default = default  # RAS may switch it; sequences follow from their next round
@@ -100,12 +105,19 @@ class ModelDrafter:
         role = w.seq.request.draft_model or self.default
         cache = self.caches.get(w.seq.id)
         if cache is None or cache.role != role:
+            found = 0
             if cache is not None:
                 if cache.role not in self.shared:  # never cut the main's own cache
                     self.arena.rollback(w.seq.id, self.runners[cache.role].pool, 0)
                 w.state.clear()
-            cache = self.caches[w.seq.id] = DraftCache(role)
+            elif self._own(role):  # what the prefix cache found of its prompt
+                found = self.arena.tables[w.seq.id].length(self.runners[role].pool)
+            cache = self.caches[w.seq.id] = DraftCache(role, found, list(range(found + 1)))
         return cache
+
+    def _own(self, role: str) -> bool:
+        """Does `role` keep its own cache at the main's token positions?"""
+        return role not in self.shared and role not in self.token_maps
 
     def propose(self, work: list[DraftWork]) -> None:
         groups: dict[str, list[DraftWork]] = {}
@@ -168,12 +180,18 @@ class ModelDrafter:
     def trim(self, seq: Sequence, valid: int) -> None:
         """`tokens + pending` is unchanged through position `valid`: roll the cache back."""
         cache = self.caches.get(seq.id)
-        if cache is None or cache.cached <= valid:
+        if cache is None:
             return
-        cache.cached = valid
-        del cache.offsets[valid + 1:]
-        if cache.role not in self.shared:  # the main rolls its own cache back
-            self.arena.rollback(seq.id, self.runners[cache.role].pool, cache.offsets[-1])
+        if cache.cached > valid:
+            cache.cached = valid
+            del cache.offsets[valid + 1:]
+            if cache.role not in self.shared:  # the main rolls its own cache back
+                self.arena.rollback(seq.id, self.runners[cache.role].pool, cache.offsets[-1])
+        if self.commit is not None and cache.role not in self.shared:
+            # final: what it read of the sequence's tokens, but the last (a re-read of it
+            # rewrites it)
+            read = cache.offsets[min(cache.cached, len(seq.tokens))]
+            self.commit(seq, self.runners[cache.role].pool, read - 1)
 
     def release(self, seq: Sequence) -> None:
         self.caches.pop(seq.id, None)

@@ -23,8 +23,10 @@ import numpy as np
 
 from dspark.runtime.bundle.bundle import Bundle
 from dspark.runtime.bundle.config import DFlashConfig
-from dspark.runtime.bundle.memory_plan import MemoryPlan, without_pools
 from dspark.runtime.cache.kv_arena import KVArena
+from dspark.runtime.cache.layout import ArenaLayout, arena_layout
+from dspark.runtime.cache.manager import KVCache
+from dspark.runtime.cache.prefix_cache import PrefixCache
 from dspark.runtime.dflash.che import CacheHealth
 from dspark.runtime.dflash.ras import ResourceManager, probe_device
 from dspark.runtime.dflash.reload import ConfigSource, ConfigWatcher
@@ -41,7 +43,7 @@ from dspark.runtime.engine.round_plan import RoundPlan, Slot
 from dspark.runtime.engine.scheduler import Scheduler
 from dspark.runtime.engine.snapshot import EngineGauges, RoundRecord, StepReport
 from dspark.runtime.env import read_env
-from dspark.runtime.errors import RequestError
+from dspark.runtime.errors import DSparkError, RequestError
 from dspark.runtime.grammar.constraint import GrammarBook
 from dspark.runtime.host_load import HostLoad, thread_hint
 from dspark.runtime.model.costs import AFTER_DRAFT, CostModel
@@ -60,17 +62,22 @@ class Engine:
                  decode: Callable[[list[int]], str] | None = None,
                  prefill_tokens: int | None = None,
                  config: DFlashConfig | None = None, device: str = "auto",
-                 kernels: bool = False, grammars: GrammarBook | None = None):
+                 kernels: bool = False, grammars: GrammarBook | None = None,
+                 kv_budget: int | None = None, kv_dtype: str | None = None,
+                 prefix_cache: bool = True, max_seq_len: int | None = None):
         """device: auto, cpu or cuda (model/device.py). kernels: on the CPU, run the DSpark
         Triton kernels under Triton's interpreter instead of the numpy attention (tests).
-        grammars: the bundle tokenizer for requests with a grammar (structured output)."""
+        grammars: the bundle tokenizer for requests with a grammar (structured output).
+        kv_budget: the KV arena's bytes (default: the bundle's plan); kv_dtype: its values'
+        type (default: each model's own); prefix_cache: keep prompts' KV for later ones;
+        max_seq_len: the longest sequence served (default and most: the bundle's)."""
         self.bundle = bundle
         self.config: DFlashConfig = config or bundle.config
         self.costs = CostModel()
         self.device = resolve_device(device)
         self.shared_kv = shared_kv_roles(bundle, self.config.drafting.share_main_kv)
-        plan = without_pools(bundle.plan, self.shared_kv)  # their bytes: more main blocks
-        self.arena = KVArena(plan, device=self.device)
+        self.arena = KVArena(kv_layout(bundle, self.shared_kv, kv_budget, kv_dtype,
+                                       max_seq_len), device=self.device)
         self.arena.zero_rejected = self.config.cache_health.zero_rejected_slots
         self.main = ModelRunner(bundle, "main", self.arena, self.costs, kernels=kernels)
         self.draft_models = {r: ModelRunner(bundle, r, self.arena, self.costs, kernels=kernels,
@@ -83,7 +90,9 @@ class Engine:
                                          bundle.draft_models)
         self.vocab_size = bundle.model("main").vocab_size
         self.balancer = VerifyBalancer(self.config.verify_balance, self.costs)
-        self.scheduler = Scheduler(plan, self.config, max_batch, prefill_tokens)
+        prefix = PrefixCache(self.arena, cached_roles(bundle, self.shared_kv), prefix_cache)
+        self.kv = KVCache(self.arena, prefix, lambda: self.scheduler.in_flight)
+        self.scheduler = Scheduler(self.kv, self.config, max_batch, prefill_tokens)
         self.planner = WindowPlanner(self.config, self.costs, self.resources, self.balancer,
                                      bool(self.draft_models), policy or (
                                          "fixed" if window else None), window)
@@ -98,7 +107,7 @@ class Engine:
         self._watcher: ConfigSource | None = None
 
     @property
-    def plan(self) -> MemoryPlan:
+    def plan(self) -> ArenaLayout:
         return self.scheduler.plan
 
     @property
@@ -131,8 +140,7 @@ class Engine:
         """One engine step: what it advanced (finished sequences included), each speculative
         sequence's round, the verify's time."""
         self.maintain()
-        for seq in self.scheduler.admit():
-            self.arena.add_sequence(seq.id)
+        self.scheduler.admit()
         scheduled = self.scheduler.plan_step()
         t0 = time.perf_counter()  # the round's planning, drafting and verify
         plan = self.planner.plan(scheduled, self.drafting)
@@ -160,7 +168,7 @@ class Engine:
         return EngineGauges(
             self.limits, self.scheduler.pending, len(self.scheduler.running),
             self.config.cache_resize_grace_period_sec,
-            self.arena.used_blocks / self.plan.num_blocks, health.hit_rate, h.kdr, h.vfi,
+            self.arena.usage(), health.hit_rate, h.kdr, h.vfi,
             h.clca, health.compactions, health.defrag_moves, self.resources.degraded,
             self.resources.switches, self.balancer.utilisation, reloads)
 
@@ -169,8 +177,7 @@ class Engine:
         if self._watcher is not None and (config := self._watcher.poll()) is not None:
             self.apply_config(config)
         self.health.maybe_run()
-        usage = self.arena.used_blocks / self.plan.num_blocks
-        if self.resources.tick(time.perf_counter(), usage):
+        if self.resources.tick(time.perf_counter(), self.arena.usage()):
             self.arena.delta_log = not self.resources.degraded
             self.drafting.use_draft(self.resources.draft)  # from each sequence's next round
 
@@ -233,12 +240,13 @@ class Engine:
         old = len(seq.tokens)
         seq.main_cached = old + result.accepted
         self.arena.rollback(seq.id, "main", seq.main_cached)
+        self.kv.commit(seq, "main", seq.main_cached)
         self.drafting.settle(seq, old, slot.verify, result.accepted, result.tokens[-1],
                              seconds)
 
     def _release(self, seq: Sequence) -> None:
         if seq.id in self.arena.tables:
-            self.arena.release(seq.id)
+            self.kv.release(seq.id)
             self.planner.forget(seq)
             self.drafting.release(seq)
 
@@ -270,7 +278,7 @@ class Engine:
         self.scheduler.cancel(seq)
         self._release(seq)
 
-    def resize(self, max_seq_len: int) -> MemoryPlan:
+    def resize(self, max_seq_len: int) -> ArenaLayout:
         """New max sequence length (RequestError past the positions a model was compiled
         for: its rotary tables and its proven attention spans)."""
         for role, spec in self.bundle.models.items():
@@ -279,7 +287,7 @@ class Engine:
                     f"max_length {max_seq_len} is past the {spec.max_positions} positions the "
                     f"{role} model was compiled for (its rotary tables and attention spans; "
                     "dsc compile --max-seq-len)", param="max_length", code="max_length_exceeded")
-        return self.scheduler.resize(max_seq_len, self.arena)
+        return self.scheduler.resize(max_seq_len)
 
     def warmup(self, main_sizes=(*range(1, 10), 16, 32, 64), draft_sizes=(1, 2, 3, 4, 8, 16)
                ) -> dict:
@@ -310,7 +318,7 @@ def _model_drafter(engine: Engine, bundle: Bundle) -> ModelDrafter | None:
         return None
     maps = {"draft": bundle.token_map} if bundle.token_map is not None else {}
     return ModelDrafter(engine.draft_models, engine.arena, engine.resources.draft, maps,
-                        engine.shared_kv)
+                        engine.shared_kv, engine.kv.commit)
 
 
 def shared_kv_roles(bundle: Bundle, enabled: bool) -> frozenset[str]:
@@ -319,3 +327,24 @@ def shared_kv_roles(bundle: Bundle, enabled: bool) -> frozenset[str]:
     main = bundle.model("main")
     return frozenset(r for r in bundle.draft_models if enabled and main.same_cache(
         bundle.model(r)) and not (r == "draft" and bundle.token_map is not None))
+
+
+def cached_roles(bundle: Bundle, shared: frozenset[str]) -> tuple[str, ...]:
+    """The models whose caches the prefix cache keeps, main first: those that keep their
+    own cache at the main's token positions (no token map)."""
+    drafts = [r for r in bundle.draft_models if r not in shared
+              and not (r == "draft" and bundle.token_map is not None)]
+    return ("main", *sorted(drafts))
+
+
+def kv_layout(bundle: Bundle, shared: frozenset[str], budget: int | None,
+              kv_dtype: str | None, max_seq_len: int | None = None) -> ArenaLayout:
+    """The arena's groups for the models that keep a cache (a draft reading the main's
+    keeps none: its share of the budget goes to the others)."""
+    plan = bundle.plan
+    if max_seq_len is not None and not 1 <= max_seq_len <= plan.max_seq_len:
+        raise DSparkError(f"--max-seq-len {max_seq_len} must lie in [1, "
+                          f"{plan.max_seq_len}] (the bundle's; dsc compile --max-seq-len)")
+    specs = [bundle.model(p.role) for p in plan.pools if p.role not in shared]
+    return arena_layout(specs, budget or plan.budget_bytes, plan.block_size,
+                        max_seq_len or plan.max_seq_len, kv_dtype)

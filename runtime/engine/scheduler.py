@@ -1,7 +1,9 @@
 """Which sequences run this step, and how much prompt each may feed (TAS, admission).
 
     admit:  tenants take turns by virtual time (tokens served / weight), FIFO within a
-            tenant; a sequence is admitted only if its worst-case KV blocks fit
+            tenant; a sequence is admitted only if its worst-case KV blocks fit, its
+            cached prefix found and held (cache/manager.py), so its prompt is fed from
+            the first position not cached
     plan:   every decoding sequence runs; prompts are fed in chunks, shortest remaining
             first (aged, so long prompts are not starved), at most `prefill_tokens` per step
 A long prompt is cut into chunks so a short request arriving behind it waits for one chunk,
@@ -15,23 +17,22 @@ from __future__ import annotations
 from collections import deque
 
 from dspark.runtime.bundle.config import DFlashConfig
-from dspark.runtime.bundle.memory_plan import MemoryPlan, resized
-from dspark.runtime.cache.kv_arena import KVArena
+from dspark.runtime.cache.layout import ArenaLayout
+from dspark.runtime.cache.manager import KVCache
 from dspark.runtime.engine.round_plan import RoundPlan, Slot
 from dspark.runtime.errors import ConflictError
 from dspark.runtime.sequence.request import Sequence
 
 
 class Scheduler:
-    def __init__(self, plan: MemoryPlan, config: DFlashConfig, max_batch: int,
+    def __init__(self, kv: KVCache, config: DFlashConfig, max_batch: int,
                  prefill_tokens: int | None = None):
-        self.plan = plan
+        self.kv = kv
         self.config = config
         self.max_batch = max_batch
         self.fixed_chunk = prefill_tokens  # tests pin it; otherwise the config decides
         self.waiting: dict[str, deque[Sequence]] = {}
         self.running: list[Sequence] = []
-        self.reserved: dict[int, int] = {}  # worst-case blocks of each running sequence
         self.served: dict[str, float] = {}  # tokens served per tenant, over its weight
         self.steps = 0
 
@@ -48,8 +49,9 @@ class Scheduler:
     def pending(self) -> int:
         return sum(len(q) for q in self.waiting.values())
 
-    def _need(self, seq: Sequence) -> int:
-        return -(-(seq.prompt_len + seq.request.max_tokens) // self.plan.block_size)
+    @property
+    def plan(self) -> ArenaLayout:
+        return self.kv.arena.layout
 
     def admit(self) -> list[Sequence]:
         admitted = []
@@ -59,11 +61,9 @@ class Scheduler:
                 break
             tenant = min(tenants, key=lambda t: (self.served.get(t, 0.0), t))
             seq = self.waiting[tenant][0]
-            need = self._need(seq)
-            if sum(self.reserved.values()) + need > self.plan.num_blocks:
+            if not self.kv.admit(seq):
                 break
             self.waiting[tenant].popleft()
-            self.reserved[seq.id] = need
             self.running.append(seq)
             admitted.append(seq)
         return admitted
@@ -87,8 +87,7 @@ class Scheduler:
         return RoundPlan(tuple(slots))
 
     def _slot(self, seq: Sequence, chunk: int, catch_up: int) -> Slot:
-        room = min(self.reserved.get(seq.id, 0) * self.plan.block_size, self.plan.max_seq_len)
-        return Slot(seq, chunk, room, catch_up)
+        return Slot(seq, chunk, self.kv.room(seq), catch_up)
 
     @property
     def shared(self) -> bool:
@@ -112,9 +111,14 @@ class Scheduler:
         self.served[seq.tenant] = self.served.get(seq.tenant, 0.0) + tokens / self.weight(
             seq.tenant)
 
+    @property
+    def in_flight(self) -> int:
+        """The most positions a sequence writes in one step: a prompt chunk, or a verify
+        window (64 drafts at most) with the draft's own writes past it."""
+        return max(self.prefill_tokens, 64) + 2
+
     def finish(self, seq: Sequence) -> None:
-        if seq.id in self.reserved:
-            del self.reserved[seq.id]
+        if seq in self.running:
             self.running.remove(seq)
 
     def cancel(self, seq: Sequence) -> None:
@@ -130,7 +134,7 @@ class Scheduler:
         """Running and waiting sequences."""
         return self.running + [s for q in self.waiting.values() for s in q]
 
-    def resize(self, max_seq_len: int, arena: KVArena) -> MemoryPlan:
+    def resize(self, max_seq_len: int) -> ArenaLayout:
         """Change the max sequence length between steps, within the positions the bundle was
         compiled for (the arena holds one sequence of that length). Refused (ConflictError)
         below a running sequence."""
@@ -138,6 +142,6 @@ class Scheduler:
         if longest > max_seq_len:
             raise ConflictError(f"max_length {max_seq_len} is below a running sequence "
                                 f"(prompt + max_tokens up to {longest})")
-        plan = resized(self.plan, max_seq_len)
-        self.plan = arena.plan = plan
-        return plan
+        arena = self.kv.arena
+        arena.layout = arena.layout.resized(max_seq_len)
+        return arena.layout

@@ -41,12 +41,20 @@ def pool_inputs(layer: int) -> tuple[str, str]:
     return f"dspark_k_pool_{layer}", f"dspark_v_pool_{layer}"
 
 
+def tables_input(group: str) -> str:
+    """The block tables input of the SpeculativeVerify nodes of a KV group."""
+    return TABLES if "@" not in group else f"{TABLES}_w{group.split('@')[1]}"
+
+
 def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int],
-                int4_path: str | None = None, few_rows=None) -> tuple[bytes, int]:
+                int4_path: str | None = None, few_rows=None,
+                groups: dict[int, str] | None = None) -> tuple[bytes, int]:
     """The role's whole graph with arena and batch inputs on every SpeculativeVerify node,
     and how many projections became MatMulInt4. pool_shape: (kv_heads, block_size, head_dim)
     of the pool the model reads. `int4_path`: run its low-bit projections as MatMulInt4 on
-    that path (int4_rows.py; None: keep MatMulNBits); `few_rows`: rewrite_int4's."""
+    that path (int4_rows.py; None: keep MatMulNBits); `few_rows`: rewrite_int4's. `groups`:
+    each layer's KV group (its block tables; default: one group)."""
+    groups = groups or {}
     spec = bundle.model(role)
     model = onnx.load(str(bundle.path(spec.graph_file)), load_external_data=False)
     graph = model.graph
@@ -57,7 +65,8 @@ def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int],
     for node in graph.node:
         if node.op_type == VERIFY_OP:
             op = ops[node.name]
-            node.input.extend([*pool_inputs(op.layer), TABLES, STARTS, QOFFS, NEWS])
+            node.input.extend([*pool_inputs(op.layer), tables_input(groups.get(op.layer, "")),
+                               STARTS, QOFFS, NEWS])
             # the manifest's layout is the one the runtime honours (absent: "heads")
             del node.attribute[:]
             node.attribute.extend([
@@ -71,7 +80,8 @@ def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int],
     for layer in sorted({op.layer for op in spec.verify_ops}):
         for name in pool_inputs(layer):
             graph.input.append(helper.make_tensor_value_info(name, f32, ["blocks", *pool_shape]))
-    graph.input.append(helper.make_tensor_value_info(TABLES, i64, ["seqs", "max_blocks"]))
+    for name in sorted({tables_input(groups.get(op.layer, "")) for op in spec.verify_ops}):
+        graph.input.append(helper.make_tensor_value_info(name, i64, ["seqs", "max_blocks"]))
     for name in (STARTS, QOFFS, NEWS):
         graph.input.append(helper.make_tensor_value_info(name, i64, ["seqs"]))
     folder = bundle.path(spec.graph_file).parent
@@ -82,6 +92,21 @@ def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int],
                               few_rows) if int4_path else 0)
     split_float_zero_points(model, folder)  # those MatMulInt4 did not take
     return model.SerializeToString(), rewritten
+
+
+def block_tables(arena: KVArena, batch: FlatBatch, news: list[int], groups: tuple[str, ...],
+                 dtype=np.int64) -> dict[str, np.ndarray]:
+    """Per group, each sequence's blocks up to its last new token, [sequences, blocks]."""
+    bs = arena.block_size
+    counts = [-(-(start + n) // bs) for start, n in zip(batch.starts.tolist(), news)]
+    out = {}
+    for group in groups:
+        tables = np.zeros((len(counts), max(counts)), dtype)
+        for i, slot in enumerate(batch.slots.tolist()):
+            blocks = arena.tables[slot].blocks[group][: counts[i]]
+            tables[i, : len(blocks)] = blocks
+        out[group] = tables
+    return out
 
 
 class FusedModel:
@@ -102,8 +127,10 @@ class FusedModel:
         self.library = library
         first = arena.pools[pool].k[0]
         self.int4_path = int4_path
-        graph, self.int4_projections = fused_graph(bundle, role, tuple(first.shape[1:]),
-                                                   int4_path, few_rows)
+        self.groups = arena.pools[pool].group_of
+        graph, self.int4_projections = fused_graph(
+            bundle, role, tuple(first.shape[1:]), int4_path, few_rows,
+            {op.layer: self.groups[op.layer] for op in self.spec.verify_ops})
         config = {EXTERNAL_FOLDER: str(bundle.path(self.spec.graph_file).parent)}
         adaptive = read_env().adaptive
         self.session = make_session(graph, custom_ops=library, profile_prefix=profile_prefix,
@@ -132,16 +159,11 @@ class FusedModel:
                                    tensor.data_ptr())
         return binding
 
-    def _tables(self, batch: FlatBatch, news: list[int]) -> np.ndarray:
-        """[sequences, blocks] arena block of each sequence's logical blocks (reserved by
-        the caller up to its last new token); `news`: each sequence's new tokens."""
-        bs = self.arena.block_size
-        counts = [-(-(start + n) // bs) for start, n in zip(batch.starts.tolist(), news)]
-        tables = np.zeros((len(counts), max(counts)), np.int64)
-        for i, slot in enumerate(batch.slots.tolist()):
-            blocks = self.arena.tables[slot].blocks[: counts[i]]
-            tables[i, : len(blocks)] = blocks
-        return tables
+    def _tables(self, batch: FlatBatch, news: list[int]) -> dict[str, np.ndarray]:
+        """Per KV group, [sequences, blocks]: the arena block of each sequence's logical
+        blocks (reserved by the caller up to its last new token; -1 where a window group
+        dropped one); `news`: each sequence's new tokens."""
+        return block_tables(self.arena, batch, news, self.arena.pools[self.pool].groups)
 
     def forward(self, batch: FlatBatch, rows: np.ndarray | None = None,
                 clock: StepClock | None = None) -> np.ndarray:
@@ -169,7 +191,8 @@ class FusedModel:
                               if rows is None else np.asarray(rows, np.int64))
         cu = batch.cu_seqlens.tolist()
         news = [b - a for a, b in zip(cu, cu[1:])]
-        io.bind_cpu_input(TABLES, self._tables(batch, news))
+        for group, tables in self._tables(batch, news).items():
+            io.bind_cpu_input(tables_input(group), tables)
         io.bind_cpu_input(STARTS, batch.starts)
         io.bind_cpu_input(QOFFS, batch.cu_seqlens[:-1])
         io.bind_cpu_input(NEWS, np.array(news, np.int64))

@@ -38,14 +38,17 @@ class LaunchMeta:
     max_len: int
 
 
-def launch_meta(arena: KVArena, batch: FlatBatch, device: torch.device) -> LaunchMeta:
+def launch_meta(arena: KVArena, batch: FlatBatch, device: torch.device, group: str
+                ) -> LaunchMeta:
+    """The launches' metadata for `group`'s block tables (a window group's dropped blocks
+    are -1: the kernel skips the blocks before a tile's first query's window)."""
     bs = arena.block_size
     lengths = batch.starts + np.diff(batch.cu_seqlens)
     width = int(-(-lengths.max() // bs))
     tables = np.zeros((batch.num_seqs, width), np.int32)
     slot_block = np.empty(batch.num_tokens, np.int32)
     for i in range(batch.num_seqs):
-        blocks = arena.tables[int(batch.slots[i])].blocks[: -(-int(lengths[i]) // bs)]
+        blocks = arena.tables[int(batch.slots[i])].blocks[group][: -(-int(lengths[i]) // bs)]
         tables[i, : len(blocks)] = blocks
         a, b = batch.seq_range(i)
         slot_block[a:b] = tables[i, batch.positions[a:b] // bs]
@@ -64,20 +67,23 @@ class KernelAttention:
         self.role = role
         self.library = library
         self.device = arena.buffer.device
+        self.group_of = arena.pools[role].group_of
         self._batch: FlatBatch | None = None
-        self._meta: LaunchMeta | None = None
+        self._meta: dict[str, LaunchMeta] = {}
         arena.zeroers[role] = self.zero
 
-    def meta(self, batch: FlatBatch) -> LaunchMeta:
+    def meta(self, batch: FlatBatch, group: str) -> LaunchMeta:
         if batch is not self._batch:
-            self._batch, self._meta = batch, launch_meta(self.arena, batch, self.device)
-        return self._meta
+            self._batch, self._meta = batch, {}
+        if group not in self._meta:
+            self._meta[group] = launch_meta(self.arena, batch, self.device, group)
+        return self._meta[group]
 
     def __call__(self, op: VerifyOp, q, k, v, batch: FlatBatch):
         host = isinstance(q, np.ndarray)
         if host:
             q, k, v = (torch.from_numpy(x) for x in (q, k, v))
-        meta = self.meta(batch)
+        meta = self.meta(batch, self.group_of[op.layer])
         pool = self.arena.pools[self.role]
         k_pool, v_pool = pool.k[op.layer], pool.v[op.layer]
         q, k, v = (x.contiguous() for x in (q, k, v))
@@ -87,9 +93,10 @@ class KernelAttention:
                                window=op.window)
         return out.numpy() if host else out
 
-    def zero(self, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
-        """Clear rejected slots in every layer (the config's zero_rejected_slots)."""
-        pool = self.arena.pools[self.role]
+    def zero(self, group: str, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Clear rejected slots in every layer of `group` (the config's
+        zero_rejected_slots)."""
+        views = self.arena.groups[group]
         blocks, offsets = blocks.to(self.device), offsets.to(self.device)
-        for k_pool, v_pool in zip(pool.k, pool.v):
+        for k_pool, v_pool in zip(views.k, views.v):
             kv_zero(k_pool, v_pool, blocks, offsets, self.library)

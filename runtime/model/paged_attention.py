@@ -36,6 +36,7 @@ class SeqView:
     length: int  # keys to attend: cached + new
     write_blocks: np.ndarray  # arena block of each new token
     write_offsets: np.ndarray  # offset of each new token inside its block
+    base: int = 0  # the position of the first key in `blocks`
 
     @property
     def pairs(self) -> int:
@@ -43,12 +44,12 @@ class SeqView:
         return (self.length - self.start) * self.length
 
 
-def visible_bias(start: int, n: int, window: int) -> np.ndarray | None:
-    """[n, start+n]: 0 where query j may see key i, else -inf; None when one query sees
-    every key (a decode step outside any window's cut)."""
-    if n == 1 and (not window or start < window):
+def visible_bias(start: int, n: int, window: int, base: int = 0) -> np.ndarray | None:
+    """[n, start+n-base]: 0 where query j may see key base+i, else -inf; None when one
+    query sees every key (a decode step outside any window's cut)."""
+    if n == 1 and (not window or start - base < window):
         return None
-    keys, queries = np.arange(start + n)[None, :], (start + np.arange(n))[:, None]
+    keys, queries = np.arange(base, start + n)[None, :], (start + np.arange(n))[:, None]
     visible = keys <= queries
     if window:
         visible &= keys > queries - window
@@ -61,15 +62,20 @@ def _blocks(table: list[int]) -> slice | np.ndarray:
     return np.array(table, np.int64)
 
 
-def build_views(arena: KVArena, batch: FlatBatch) -> list[SeqView]:
+def build_views(arena: KVArena, batch: FlatBatch, group: str, window: int = 0
+                ) -> list[SeqView]:
+    """Each sequence's view of `group`'s blocks; a window group's from the first block its
+    earliest query reads (the ones before it may have been dropped)."""
     bs, views = arena.block_size, []
     for i in range(batch.num_seqs):
         a, b = batch.seq_range(i)
         start, n = int(batch.starts[i]), b - a
-        table = arena.tables[int(batch.slots[i])].blocks[: -(-(start + n) // bs)]
+        table = arena.tables[int(batch.slots[i])].blocks[group][: -(-(start + n) // bs)]
+        first = max(0, start - window + 1) // bs if window else 0
         positions = batch.positions[a:b]
-        views.append(SeqView(slice(a, b), _blocks(table), start, start + n,
-                             np.array([table[p // bs] for p in positions]), positions % bs))
+        views.append(SeqView(slice(a, b), _blocks(table[first:]), start, start + n,
+                             np.array([table[p // bs] for p in positions]), positions % bs,
+                             first * bs))
     return views
 
 
@@ -93,7 +99,8 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray | None,
 
 
 def by_head(pool: np.ndarray, blocks: slice | np.ndarray, length: int) -> np.ndarray:
-    """[blocks, kv, block_size, d] -> [kv, length, d] (one copy of the sequence's keys)."""
+    """[blocks, kv, block_size, d] -> [kv, length, d] (one copy of the sequence's keys, from
+    its first block's first position)."""
     tiles = pool[blocks]
     return tiles.transpose(1, 0, 2, 3).reshape(tiles.shape[1], -1, tiles.shape[3])[:, :length]
 
@@ -114,18 +121,19 @@ class BatchMeta:
         key = (index, window)
         if key not in self.biases:
             view = self.windows[index]
-            self.biases[key] = visible_bias(view.start, view.length - view.start, window)
+            self.biases[key] = visible_bias(view.start, view.length - view.start, window,
+                                            view.base)
         return self.biases[key]
 
 
-def batch_meta(arena: KVArena, batch: FlatBatch, views: list[SeqView], float32: bool
-               ) -> BatchMeta:
+def batch_meta(arena: KVArena, batch: FlatBatch, views: list[SeqView], float32: bool,
+               group: str) -> BatchMeta:
     bs = arena.block_size
     news = np.diff(batch.cu_seqlens)
     tables = np.zeros((batch.num_seqs, int(-(-(batch.starts + news).max() // bs))), np.int64)
     compiled, windows = [], []
     for i, view in enumerate(views):
-        blocks = arena.tables[int(batch.slots[i])].blocks[: -(-view.length // bs)]
+        blocks = arena.tables[int(batch.slots[i])].blocks[group][: -(-view.length // bs)]
         tables[i, : len(blocks)] = blocks
         small = view.length == view.start + 1 or view.pairs < ORT_WINDOW
         (compiled.append(i) if float32 and small else windows.append(view))
@@ -145,20 +153,24 @@ class PagedAttention:
         pool = arena.pools[role]
         self.k = [t.numpy() for t in pool.k]
         self.v = [t.numpy() for t in pool.v]
+        self.group_of = pool.group_of
         self._batch: FlatBatch | None = None
-        self._meta: BatchMeta | None = None
+        self._meta: dict[str, BatchMeta] = {}
 
-    def meta(self, batch: FlatBatch) -> BatchMeta:
+    def meta(self, batch: FlatBatch, group: str) -> BatchMeta:
         if batch is not self._batch:
+            self._batch, self._meta = batch, {}
+        if group not in self._meta:
             float32 = self.k[0].dtype == np.float32
-            self._batch = batch
-            self._meta = batch_meta(self.arena, batch, build_views(self.arena, batch), float32)
-        return self._meta
+            window = self.arena.groups[group].layout.window
+            self._meta[group] = batch_meta(self.arena, batch, build_views(
+                self.arena, batch, group, window), float32, group)
+        return self._meta[group]
 
     def __call__(self, op: VerifyOp, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                  batch: FlatBatch) -> np.ndarray:
         """q [T, heads, d], k/v [T, kv, d] -> [T, heads, d]."""
-        m = self.meta(batch)
+        m = self.meta(batch, self.group_of[op.layer])
         ka, va = self.k[op.layer], self.v[op.layer]
         out = np.empty(q.shape, np.float32 if len(m.compiled) else q.dtype)
         if len(m.compiled):
@@ -170,6 +182,7 @@ class PagedAttention:
             va[s.write_blocks, :, s.write_offsets] = v[s.rows]
             bias = m.bias(i, op.window)
             fn = ort_attend if bias is not None and s.pairs >= ORT_WINDOW else attend
-            out[s.rows] = fn(q[s.rows].swapaxes(0, 1), by_head(ka, s.blocks, s.length),
-                             by_head(va, s.blocks, s.length), bias, op.scale).swapaxes(0, 1)
+            keys = s.length - s.base
+            out[s.rows] = fn(q[s.rows].swapaxes(0, 1), by_head(ka, s.blocks, keys),
+                             by_head(va, s.blocks, keys), bias, op.scale).swapaxes(0, 1)
         return out

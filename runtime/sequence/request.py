@@ -24,6 +24,7 @@ class GenerationRequest:
     draft_model: str | None = None  # a draft role of the bundle; None: the current default
     method: str | None = None  # drafting method (hybrid, lookup, draft); None: the config's
     grammar: str | None = None  # an llguidance grammar the output must follow (runtime/grammar)
+    cache_prompt: bool = True  # reuse a cached prefix and cache this one (cache/prefix_cache)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -41,6 +42,7 @@ class Sequence:
         self.tokens = list(request.prompt_ids)
         self.prompt_len = len(self.tokens)
         self.main_cached = 0  # tokens whose KV the main pool holds (len(tokens) - 1 after)
+        self.cached_tokens = 0  # of the prompt, found in the prefix cache at admission
         self.waited_from = 0  # scheduler step at submission (aging)
         self.rng = np.random.default_rng(request.sampling.seed)
         self.stats = SeqStats()
