@@ -208,9 +208,15 @@ class ResourceConfig:
     degrade_usage: float = 0.85
     degrade_after_s: float = 300.0
     degraded_max_window: int = 6
+    # the KV arena where no --kv-cache-memory is given: room for twice max_batch full-length
+    # sequences (the running ones, and as much again of cached prefixes), within this share
+    # of the memory available at start (MemAvailable; a GPU's free memory)
+    kv_memory_fraction: float = 0.4
 
     def validate(self, path: str) -> None:
         _check(0 < self.degrade_usage <= 1, f"{path}.degrade_usage", "must lie in (0, 1]")
+        _check(0 < self.kv_memory_fraction <= 0.95, f"{path}.kv_memory_fraction",
+               "must lie in (0, 0.95]")
         _check(self.degrade_after_s >= 0, f"{path}.degrade_after_s", "must be >= 0")
         for i, row in enumerate(self.table):
             row.validate(f"{path}.table[{i}]")

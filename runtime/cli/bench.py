@@ -92,8 +92,9 @@ def _one(engine: Engine, ids: list[int], max_tokens: int, spec: bool,
          method: str | None = None) -> dict:
     before = _counters(engine)
     t0 = time.perf_counter()
+    # every run computes its prompt: decoding speed is compared, not prefix reuse
     [seq] = engine.generate([GenerationRequest(tuple(ids), max_tokens, speculative=spec,
-                                               method=method)])
+                                               method=method, cache_prompt=False)])
     elapsed = time.perf_counter() - t0
     d = [b - a for a, b in zip(before, _counters(engine))]
     return {"tokens": seq.generated, "seconds": elapsed, "tps": len(seq.generated) / elapsed,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -22,6 +23,33 @@ PathArg = click.Path(path_type=Path)
 device_option = click.option(
     "--device", type=click.Choice(DEVICES), default="auto", show_default=True,
     help="cuda when a GPU and onnxruntime-gpu are present, else cpu; force either")
+
+
+def kv_options(fn):
+    """The KV cache's flags, shared by serving, generate and bench (a KVOptions as `kv`)."""
+    from dspark.runtime.cache.layout import KV_DTYPES
+
+    options = [
+        click.option("--kv-cache-memory", "kv_memory", type=click.FloatRange(min=1),
+                     help="KV cache size in MiB (default: room for twice --max-batch "
+                     "full-length sequences, within 40% of the memory available)"),
+        click.option("--kv-cache-dtype", "kv_dtype", type=click.Choice(KV_DTYPES),
+                     help="cache keys and values as this type (default: the model's; "
+                     "float16 and int8 are another model function, exact against it)"),
+        click.option("--no-prefix-cache", is_flag=True,
+                     help="compute every prompt's KV (no reuse between requests)"),
+        click.option("--max-seq-len", type=click.IntRange(min=1),
+                     help="the longest prompt + output served (default: the bundle's)"),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+
+    def wrapped(*args, kv_memory, kv_dtype, no_prefix_cache, max_seq_len, **kwargs):
+        from dspark.runtime.engine.loader import KVOptions
+
+        return fn(*args, kv=KVOptions(kv_memory, kv_dtype, not no_prefix_cache, max_seq_len),
+                  **kwargs)
+    return functools.update_wrapper(wrapped, fn)
 
 
 drafter_option = click.option(
@@ -52,17 +80,17 @@ def serve_options(fn):
     ]
     for option in reversed(options):
         fn = option(fn)
-    return fn
+    return kv_options(fn)
 
 
 def _serve(model: Path, host, port, api_key, max_batch, max_queue, max_body_mb, no_warmup,
-           drain_s, config_path, policy, name, device) -> None:
+           drain_s, config_path, policy, name, device, kv) -> None:
     from dspark.runtime.server.run import serve
 
     click.echo(f"[dsrun] serving {model} on http://{host}:{port}/v1", err=True)
     serve(model, host, port, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
           max_body_bytes=int(max_body_mb * 2**20), warmup=not no_warmup, config=config_path,
-          policy=policy, name=name, device=device, drain_s=drain_s)
+          policy=policy, name=name, device=device, drain_s=drain_s, kv=kv)
 
 
 @click.group(invoke_without_command=True,
@@ -140,15 +168,17 @@ def result_dict(seq: Sequence, tokenizer, elapsed: float) -> dict:
 @drafter_option
 @device_option
 @click.option("--json", "as_json", is_flag=True)
+@kv_options
 def generate(model: Path, prompt, prompt_ids, chat, max_tokens: int, temperature: float,
              top_p: float, top_k: int, seed, stop, window, policy, config_path, tenant: str,
-             no_speculative: bool, schema_path, drafter, device: str, as_json: bool) -> None:
+             no_speculative: bool, schema_path, drafter, device: str, as_json: bool,
+             kv) -> None:
     """Generate one completion from a bundle."""
     from dspark.runtime.engine.loader import load_engine
 
     grammar = _schema_grammar(schema_path) if schema_path is not None else None
     engine, tokenizer = load_engine(model, window, policy=policy, config=config_path,
-                                    device=device)
+                                    device=device, kv=kv, max_batch=1)
     ids = _prompt_ids(tokenizer, prompt, prompt_ids, chat)
     if grammar is not None:
         if engine.grammars is None:
@@ -193,20 +223,22 @@ def generate(model: Path, prompt, prompt_ids, chat, max_tokens: int, temperature
               help="keep one core busy with another process while measuring")
 @drafter_option
 @device_option
+@kv_options
 def bench(model: Path, prompts, max_tokens: int, repeats: int, window, policy, policies,
           config_path, as_json: bool, plot, profile: bool, context: int, verify_tokens: int,
-          background_load: bool, drafter, device: str) -> None:
+          background_load: bool, drafter, device: str, kv) -> None:
     """Speculative vs plain decoding on the same prompts, interleaved, in one process."""
     from dspark.runtime.cli.bench import busy_core
 
     with busy_core(background_load):
         _bench(model, prompts, max_tokens, repeats, window, policy, policies, config_path,
-               as_json, plot, (context, verify_tokens) if profile else None, drafter, device)
+               as_json, plot, (context, verify_tokens) if profile else None, drafter, device,
+               kv)
 
 
 def _bench(model: Path, prompts, max_tokens: int, repeats: int, window, policy, policies,
            config_path, as_json: bool, plot, profile: tuple[int, int] | None, drafter,
-           device: str) -> None:
+           device: str, kv) -> None:
     from dspark.runtime.cli.bench import (
         format_report,
         format_sweep,
@@ -219,7 +251,7 @@ def _bench(model: Path, prompts, max_tokens: int, repeats: int, window, policy, 
     from dspark.runtime.engine.loader import load_engine
 
     engine, tokenizer = load_engine(model, window, policy=policy, config=config_path,
-                                    device=device)
+                                    device=device, kv=kv)
     if profile:
         from dspark.runtime.cli.profile import format_profile, profile_engine
 

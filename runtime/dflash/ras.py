@@ -2,7 +2,8 @@
 degradation under memory pressure.
 
 At start the device is probed (GPU name and memory through torch, else the CPU model, cores
-and RAM) and the first matching row of the config's table gives the starting window (DWC
+and RAM); the KV arena's default size comes from the memory available then (`kv_budget`),
+and the first matching row of the config's table gives the starting window (DWC
 scales its rules to it), the window cap (twice the start, at most the config's max) and the
 preferred draft. While KV arena use stays above `degrade_usage` for `degrade_after_s`, it
 degrades: the smallest draft in the bundle, the window cap lowered to
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from dspark.runtime.bundle.config import ResourceConfig, ResourceRow
 
 HYSTERESIS = 0.10
+KV_SEQUENCES = 2  # worst-case sequences per max_batch slot the default arena holds
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,33 @@ def probe_device(device=None) -> Device:
         return Device("cuda", props.name, props.total_memory / 2**30,
                       props.multi_processor_count)
     return Device("cpu", _cpu_name(), _ram_gb(), os.cpu_count() or 1)
+
+
+def available_bytes(device=None) -> int:
+    """Memory free for the KV arena now: a GPU's free memory, else the kernel's
+    MemAvailable (RAM not counting reclaimable caches); 0 where unknown."""
+    import torch
+
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def kv_budget(config: ResourceConfig, per_seq: int, max_batch: int, available: int) -> int:
+    """The KV arena's bytes where no flag sets them: twice `max_batch` sequences of
+    `per_seq` bytes (full length; the second half keeps cached prefixes), within
+    `kv_memory_fraction` of `available`, and never less than one sequence."""
+    want = KV_SEQUENCES * max_batch * per_seq
+    if available > 0:
+        want = min(want, int(config.kv_memory_fraction * available))
+    return max(per_seq, want)
 
 
 def match_row(config: ResourceConfig, device: Device) -> ResourceRow:

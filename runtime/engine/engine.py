@@ -28,7 +28,8 @@ from dspark.runtime.cache.layout import ArenaLayout, arena_layout
 from dspark.runtime.cache.manager import KVCache
 from dspark.runtime.cache.prefix_cache import PrefixCache
 from dspark.runtime.dflash.che import CacheHealth
-from dspark.runtime.dflash.ras import ResourceManager, probe_device
+from dspark.runtime.dflash.ras import ResourceManager, available_bytes, probe_device
+from dspark.runtime.dflash.ras import kv_budget as kv_budget_for
 from dspark.runtime.dflash.reload import ConfigSource, ConfigWatcher
 from dspark.runtime.dflash.source import SourceChooser
 from dspark.runtime.dflash.vlb import VerifyBalancer
@@ -63,21 +64,27 @@ class Engine:
                  prefill_tokens: int | None = None,
                  config: DFlashConfig | None = None, device: str = "auto",
                  kernels: bool = False, grammars: GrammarBook | None = None,
-                 kv_budget: int | None = None, kv_dtype: str | None = None,
+                 kv_budget: int | str | None = None, kv_dtype: str | None = None,
                  prefix_cache: bool = True, max_seq_len: int | None = None):
         """device: auto, cpu or cuda (model/device.py). kernels: on the CPU, run the DSpark
         Triton kernels under Triton's interpreter instead of the numpy attention (tests).
         grammars: the bundle tokenizer for requests with a grammar (structured output).
-        kv_budget: the KV arena's bytes (default: the bundle's plan); kv_dtype: its values'
-        type (default: each model's own); prefix_cache: keep prompts' KV for later ones;
-        max_seq_len: the longest sequence served (default and most: the bundle's)."""
+        kv_budget: the KV arena's bytes (default: the bundle's plan; "auto": RAS sizes it
+        from the memory available, dflash/ras.py); kv_dtype: its values' type (default:
+        each model's own); prefix_cache: keep prompts' KV for later ones; max_seq_len: the
+        longest sequence served (default and most: the bundle's)."""
         self.bundle = bundle
         self.config: DFlashConfig = config or bundle.config
         self.costs = CostModel()
         self.device = resolve_device(device)
         self.shared_kv = shared_kv_roles(bundle, self.config.drafting.share_main_kv)
-        self.arena = KVArena(kv_layout(bundle, self.shared_kv, kv_budget, kv_dtype,
-                                       max_seq_len), device=self.device)
+        layout = kv_layout(bundle, self.shared_kv, None, kv_dtype, max_seq_len)
+        if kv_budget == "auto":
+            kv_budget = kv_budget_for(self.config.resources, layout.bytes_per_seq, max_batch,
+                                      available_bytes(self.device))
+        if kv_budget is not None:
+            layout = kv_layout(bundle, self.shared_kv, kv_budget, kv_dtype, max_seq_len)
+        self.arena = KVArena(layout, device=self.device)
         self.arena.zero_rejected = self.config.cache_health.zero_rejected_slots
         self.main = ModelRunner(bundle, "main", self.arena, self.costs, kernels=kernels)
         self.draft_models = {r: ModelRunner(bundle, r, self.arena, self.costs, kernels=kernels,
@@ -170,7 +177,9 @@ class Engine:
             self.config.cache_resize_grace_period_sec,
             self.arena.usage(), health.hit_rate, h.kdr, h.vfi,
             h.clca, health.compactions, health.defrag_moves, self.resources.degraded,
-            self.resources.switches, self.balancer.utilisation, reloads)
+            self.resources.switches, self.balancer.utilisation, reloads,
+            self.kv.prefix.queried, self.kv.prefix.hit, self.kv.prefix.cached_blocks(),
+            sum(g.blocks.evictions for g in self.arena.groups.values()), self.arena.copies)
 
     def maintain(self) -> None:
         """Between steps: config reload, cache health, resources (nothing reads the arena)."""

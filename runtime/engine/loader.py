@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dataclasses import dataclass
+
 from dspark.runtime.bundle.bundle import open_bundle
 from dspark.runtime.bundle.config import CONFIG_FILE, DFlashConfig
 from dspark.runtime.bundle.tokenizer import BundleTokenizer, load_tokenizer
@@ -12,14 +14,29 @@ from dspark.runtime.grammar.constraint import GrammarBook
 from dspark.runtime.model.sessions import init_threads
 
 
+@dataclass(frozen=True)
+class KVOptions:
+    """The KV cache a server or a command runs with (dsrun's --kv-cache-* flags)."""
+
+    memory_mb: float | None = None  # the arena's size; None: RAS sizes it (dflash/ras.py)
+    dtype: str | None = None  # float32, float16, int8; None: each model's own
+    prefix_cache: bool = True
+    max_seq_len: int | None = None  # None: the bundle's
+
+    @property
+    def budget(self) -> int | str:
+        return "auto" if self.memory_mb is None else int(self.memory_mb * 2**20)
+
+
 def load_engine(model: Path, window: int | None = None, max_batch: int = 16,
                 policy: str | None = None, config: Path | DFlashConfig | None = None,
-                warmup: bool = True, device: str = "auto", watch: bool = True
-                ) -> tuple[Engine, BundleTokenizer | None]:
+                warmup: bool = True, device: str = "auto", watch: bool = True,
+                kv: KVOptions = KVOptions()) -> tuple[Engine, BundleTokenizer | None]:
     """`window` alone means the fixed policy at that window; `policy` picks one by name.
     `config` (a file, or a config already validated) replaces the bundle's
     dflash_config.json; the file is hot-reloaded unless `watch` is off (dsrun cluster pushes
-    configs to its replicas instead). `device`: auto, cpu or cuda."""
+    configs to its replicas instead). `device`: auto, cpu or cuda. `kv`: the KV cache's
+    size, dtype, prefix caching and longest sequence."""
     init_threads()
     given = config if isinstance(config, DFlashConfig) else None
     config = None if given is not None else config
@@ -29,7 +46,9 @@ def load_engine(model: Path, window: int | None = None, max_batch: int = 16,
     engine = Engine(bundle, policy, window, max_batch,
                     eos_ids=tuple(sorted(tokenizer.eos_ids)) if tokenizer else (),
                     decode=tokenizer.decode if tokenizer else None, device=device,
-                    grammars=GrammarBook.of(bundle, tokenizer), config=given)
+                    grammars=GrammarBook.of(bundle, tokenizer), config=given,
+                    kv_budget=kv.budget, kv_dtype=kv.dtype, prefix_cache=kv.prefix_cache,
+                    max_seq_len=kv.max_seq_len)
     if watch:
         engine.watch(config or bundle.path(CONFIG_FILE))
     if warmup:

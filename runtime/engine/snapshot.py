@@ -47,3 +47,8 @@ class EngineGauges:
     switches: int
     utilisation: float  # verify balancer (dflash/vlb.py)
     reloads: tuple[tuple[str, int], ...] | None  # config reloads by result; None: not watched
+    prefix_queried: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_hit: int = 0  # of them, found cached
+    cached_blocks: int = 0  # registered blocks of the main model (held or not)
+    evictions: int = 0  # cached blocks evicted, since start
+    copies: int = 0  # shared blocks copied before a write (copy on write), since start

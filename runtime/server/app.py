@@ -200,7 +200,8 @@ def _request(state: ServerState, body: GenerationParams, ids: list[int], tenant:
         tuple(ids), body.limit() or max(1, limits.max_seq_len - len(ids)), sampling,
         body.stops(), speculative=body.speculative_decoding, max_window=spec.max_window,
         tenant=tenant, draft_model=draft_role(spec.draft_model, limits)
-        if spec.draft_model is not None else None, method=spec.method, grammar=grammar)
+        if spec.draft_model is not None else None, method=spec.method, grammar=grammar,
+        cache_prompt=body.cache_prompt)
     return request  # validated once, at the engine's door (Engine.submit)
 
 
@@ -325,4 +326,5 @@ async def _sse(state: ServerState, handle: Handle, meta: dict, kind: str, decode
 
 def _usage(seq: Sequence) -> dict:
     return {"prompt_tokens": seq.prompt_len, "completion_tokens": len(seq.generated),
-            "total_tokens": seq.prompt_len + len(seq.generated)}
+            "total_tokens": seq.prompt_len + len(seq.generated),
+            "prompt_tokens_details": {"cached_tokens": seq.cached_tokens}}

@@ -96,6 +96,20 @@ class Metrics:
                                 "over the last ~5 s (Linux; with a thread per core, one busy "
                                 "core of two slowed decoding 1.4-1.8x: DSPARK_THREADS)", md,
                                 registry=r)
+        self.prefix_queries = Counter("dspark_prefix_cache_queries", "Prompt tokens looked "
+                                      "up in the prefix cache", md, registry=r)
+        self.prefix_hits = Counter("dspark_prefix_cache_hits", "Prompt tokens found in the "
+                                   "prefix cache (their KV not computed again)", md, registry=r)
+        self.prefix_rate = Gauge("dspark_prefix_cache_hit_rate", "Prompt tokens found cached "
+                                 "/ looked up, since start", md, registry=r)
+        self.prefix_blocks = Gauge("dspark_prefix_cache_blocks", "KV blocks of the main model "
+                                   "holding a cached prefix (in use or kept for reuse)", md,
+                                   registry=r)
+        self.evictions = Counter("dspark_prefix_cache_evictions", "Cached blocks evicted to "
+                                 "make room", md, registry=r)
+        self.copies = Counter("dspark_kv_cache_copies", "Shared KV blocks copied before a "
+                              "write (copy on write)", md, registry=r)
+        self.counted: dict[int, float] = {}  # engine totals already added to the counters
         self.host, self.host_at = HostLoad(), float("-inf")
         self.host.sample()  # the first step's sample covers the time since start
         self.rounds: deque = deque()  # (time, tenant, window, drafted, accepted)
@@ -195,6 +209,15 @@ class Metrics:
         c(self.degraded).set(int(g.degraded))
         c(self.switches).set(g.switches)
         c(self.utilisation).set(g.utilisation)
+        for counter, total in ((self.prefix_queries, g.prefix_queried),
+                               (self.prefix_hits, g.prefix_hit), (self.evictions, g.evictions),
+                               (self.copies, g.copies)):
+            seen, child = self.counted.get(id(counter), 0), c(counter)  # exposed from 0
+            if total > seen:
+                child.inc(total - seen)
+                self.counted[id(counter)] = total
+        c(self.prefix_rate).set(g.prefix_hit / g.prefix_queried if g.prefix_queried else 0.0)
+        c(self.prefix_blocks).set(g.cached_blocks)
         if g.reloads is not None:
             for result, count in g.reloads:
                 c(self.reloads, result).set(count)

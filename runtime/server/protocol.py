@@ -3,7 +3,8 @@
 Unknown fields are refused (as OpenAI does), and so are known options DSpark does not
 implement (n > 1, logprobs, penalties, tools on completions...), each naming the field: never
 silently ignored. Extensions: `speculative_decoding` (default true) and `speculative_config`
-(`method`: hybrid, lookup or draft; `draft_model`, `max_window`), `top_k`. Structured
+(`method`: hybrid, lookup or draft; `draft_model`, `max_window`), `top_k`, `cache_prompt`
+(default true; false: the prompt neither reuses nor fills the prefix cache). Structured
 output: `response_format` json_object or json_schema; `tools` + `tool_choice` on chat
 (runtime/grammar, server/tool_calls.py).
 """
@@ -110,6 +111,7 @@ class GenerationParams(BaseModel):
     stream_options: StreamOptions | None = None
     speculative_decoding: bool = True
     speculative_config: SpeculativeConfig | None = None
+    cache_prompt: bool = True  # false: neither reuse a cached prefix nor cache this prompt
     user: str | None = None
     metadata: dict | None = None
     store: bool | None = None

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from dspark.runtime.bundle.config import DFlashConfig
-from dspark.runtime.engine.loader import load_engine
+from dspark.runtime.engine.loader import KVOptions, load_engine
 from dspark.runtime.env import read_env
 from dspark.runtime.server.app import ServerState, create_app
 from dspark.runtime.server.metrics import Metrics
@@ -24,9 +24,9 @@ def build_app(model: Path, api_key: str | None = None, max_batch: int = 16,
               config: Path | DFlashConfig | None = None,
               policy: str | None = None, name: str | None = None, device: str = "auto",
               max_body_bytes: int = 8 * 2**20, replica: str | None = None,
-              watch: bool = True):
+              watch: bool = True, kv: KVOptions = KVOptions()):
     engine, tokenizer = load_engine(model, max_batch=max_batch, policy=policy, config=config,
-                                    warmup=False, device=device, watch=watch)
+                                    warmup=False, device=device, watch=watch, kv=kv)
     served = name or model_id(model)
     metrics = Metrics(served, engine.resources.device.name, replica)
     service = EngineService(engine, max_queue, on_step=metrics.on_step,
