@@ -141,9 +141,12 @@ def inspect_cmd(bundle: Path, as_json: bool) -> None:
 @click.option("--seqs", type=click.IntRange(1, 64), default=3, show_default=True)
 @click.option("--steps", type=click.IntRange(1, 64), default=4, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--kv-cache-dtype", "kv_dtype", type=click.Choice(["float32", "float16", "int8"]),
+              help="check the function served with this cache dtype (dsrun --kv-cache-dtype), "
+                   "against the originals with their caches rounded alike")
 @click.option("--json", "as_json", is_flag=True)
 def verify_cmd(bundle: Path, main: Path, draft: Path | None, tolerance: float, rtol: float,
-               seqs: int, steps: int, seed: int, as_json: bool) -> int:
+               seqs: int, steps: int, seed: int, kv_dtype: str | None, as_json: bool) -> int:
     """Run the originals and the bundle side by side; exit 1 if a logit differs by more than
     tolerance + rtol * |the original's logit|."""
     from dspark.compiler.verify import verify_model
@@ -151,7 +154,7 @@ def verify_cmd(bundle: Path, main: Path, draft: Path | None, tolerance: float, r
     b = open_bundle(bundle)
     if (draft is None) != ("draft" not in b.models):
         raise click.UsageError("--draft is needed exactly when the bundle has a draft model")
-    reports = [verify_model(b, role, path, seqs, steps, seed, rtol)
+    reports = [verify_model(b, role, path, seqs, steps, seed, rtol, kv_dtype)
                for role, path in zip(ROLES, (main, draft)) if path is not None]
     ok = all(r.ok(tolerance) for r in reports)
     if as_json:
@@ -174,7 +177,8 @@ def _verdict_line(r, tolerance: float) -> str:
                        f"{r.limit(tolerance):.3g})")
     if r.beyond_rtol > tolerance:
         return line + (f"ok within {r.limit(tolerance):.3g}, the model's own noise "
-                       "(not shape-deterministic: float16 rounding, int8 activations)")
+                       "(not shape-deterministic: float16 rounding, int8 activations, a "
+                       "float16 or int8 cache)")
     if r.max_abs_diff > tolerance:
         return line + f"ok within {tolerance:.3g} + {r.rtol:.2g} x |logit|"
     return line + "ok"

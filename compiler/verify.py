@@ -45,6 +45,7 @@ import onnx
 
 from dspark.compiler.contract import model_file
 from dspark.compiler.jitter import computes_in_float16, jittered
+from dspark.compiler.kv_rounding import kv_rounded
 from dspark.compiler.passes.token_quant import per_token_model
 from dspark.compiler.reference import OriginalModel
 from dspark.runtime.bundle.bundle import Bundle
@@ -116,14 +117,20 @@ def chunk_plans(spec: ModelSpec, rng: np.random.Generator, seqs: int, steps: int
 
 
 def verify_model(bundle: Bundle, role: str, path: Path, seqs: int = 3, steps: int = 4,
-                 seed: int = 0, rtol: float = RTOL) -> VerifyReport:
+                 seed: int = 0, rtol: float = RTOL, kv_dtype: str | None = None
+                 ) -> VerifyReport:
+    """`kv_dtype`: check the function of a float16 or int8 cache (`dsrun --kv-cache-dtype`),
+    against the original with its cache rounded the same way (compiler/kv_rounding.py)."""
     rng = np.random.default_rng(seed)
     path = model_file(path)
     original = OriginalModel(path)
+    if kv_dtype not in (None, "float32"):
+        original = OriginalModel(path, make_session(
+            kv_rounded(path, kv_dtype).SerializeToString(), level="all"))
     _check_matches(bundle, role, original, path)
     spec = bundle.model(role)
     plans = chunk_plans(spec, rng, seqs, steps)
-    cache = ContiguousKVCache(spec, len(plans), max(sum(p) for p in plans))
+    cache = ContiguousKVCache(spec, len(plans), max(sum(p) for p in plans), kv_dtype)
     model = SegmentedModel(bundle, role, ReferenceAttention(cache), split_zero_points=False)
     pasts, starts = [original.empty_past() for _ in plans], [0] * len(plans)
     history: list[list[int]] = [[] for _ in plans]
@@ -131,7 +138,12 @@ def verify_model(bundle: Bundle, role: str, path: Path, seqs: int = 3, steps: in
     # or computing in float16 (its rounding shows in the long ones; the others' floor stays
     # as tight as it was)
     half = computes_in_float16(onnx.load(str(path), load_external_data=False))
-    floor_seqs = len(plans) if original.token_by_token or half else seqs
+    rounding = kv_dtype not in (None, "float32")
+    if rounding and (half or original.token_by_token):
+        raise DSparkError(f"{path}: --kv-cache-dtype {kv_dtype} is checked on models that "
+                          "compute in float32 with float activations only (this one "
+                          + ("computes in float16)" if half else "quantizes them per tensor)"))
+    floor_seqs = len(plans) if original.token_by_token or half or rounding else seqs
     stepwise: list[list[np.ndarray]] = [[] for _ in plans]
     worst, beyond, tokens, agree = 0.0, 0.0, 0, 0
     for k in range(max(len(p) for p in plans)):
@@ -154,6 +166,8 @@ def verify_model(bundle: Bundle, role: str, path: Path, seqs: int = 3, steps: in
     whole = _whole(original, half)
     noise = max(_chunking_noise(whole, history[i], stepwise[i]) for i in range(floor_seqs))
     noise = max(noise, _rounding_noise(path, original, history[:seqs]))
+    if rounding:
+        noise = max(noise, _kv_noise(path, kv_dtype, original, history))
     return VerifyReport(role, worst, tokens, steps, agree / tokens, noise,
                         max(sum(p) for p in plans), rtol, max(0.0, beyond))
 
@@ -193,6 +207,19 @@ def _rounding_noise(path: Path, original: OriginalModel, histories: list[list[in
     reference = [original.forward(h, original.empty_past())[0] for h in histories]
     return max(float(np.abs(v.forward(h, v.empty_past())[0].astype(np.float64) - ref).max())
                for v in variants for h, ref in zip(histories, reference))
+
+
+def _kv_noise(path: Path, kv_dtype: str, original: OriginalModel,
+              histories: list[list[int]]) -> float:
+    """How far the cache's rounding carries float32 differences: the rounded original
+    against itself with every new key and value moved by one float32 ulp before it is
+    rounded (a value that close to a rounding boundary flips by a whole float16 ulp or int8
+    step, as the bundle's, computed in another order, may)."""
+    moved = OriginalModel(path, make_session(
+        kv_rounded(path, kv_dtype, JITTER).SerializeToString(), level="all"))
+    return max(float(np.abs(moved.forward(h, moved.empty_past())[0].astype(np.float64)
+                            - original.forward(h, original.empty_past())[0]).max())
+               for h in histories)
 
 
 def _int8_sessions(path: Path, model: onnx.ModelProto) -> list:

@@ -10,12 +10,16 @@
                in the layout of q
 
    inputs   0 q [1,T,H*d] ("tokens") or [1,H,T,d] ("heads")   1 k, 2 v (same, kv heads)
-            3 k_pool, 4 v_pool [blocks, kv, block_size, d]: the arena's own memory, written
-              in place (bound by the runtime; onnxruntime never allocates or reuses them)
+            3 k_pool, 4 v_pool [blocks, kv, block_size, row]: the arena's own memory, written
+              in place (bound by the runtime; onnxruntime never allocates or reuses them);
+              a row is one token's d values of one KV head as kv_dtype stores them
+              (cpu_kv.c), bound as float32 of row bytes / 4
             5 tables [S, max_blocks], 6 starts [S], 7 qoffs [S], 8 news [S]  (int64)
    output   0 out [1,T,H*d] ("tokens") or [1,H,T,d] ("heads")
    attrs    num_heads, num_kv_heads, head_dim (int), scale (float), layout ("tokens"|"heads",
-            default "heads"), window (int, default 0: every earlier position)
+            default "heads"), window (int, default 0: every earlier position), kv_dtype
+            ("float32" (default), "float16", "int8": what a row holds; keys and values are
+            stored so, then read back, by every query, its own included)
    The same contract as kernels/cpu_verify.py and the Triton kernel; the runtime's tests
    compare all of them. Work is split by (sequence, KV head[, query block]) over
    onnxruntime's intra-op pool (OrtApi KernelContext_ParallelFor). head_dim 64 with up to 4
@@ -33,7 +37,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_kv.h"
 #include "ort_abi.h"
+
+#if defined(__x86_64__) && (defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__))
+#include <immintrin.h>
+#endif
 
 void *const *ort;
 volatile int dspark_solo;
@@ -43,16 +52,18 @@ void dspark_set_solo(int on) { dspark_solo = on; }
 typedef struct {
   int64_t heads, kv_heads, dim, window;
   float scale;
-  int tokens_layout;
+  int tokens_layout, kind; /* kind: KV_FLOAT32, KV_FLOAT16 or KV_INT8 (cpu_kv.h) */
 } Kernel;
 
 /* One call's view of the batch. Rows of q/k/v/out: token t, head h at t * tstride + h * hstride
    (elements); q and out share strides, k and v share theirs. */
 typedef struct {
   const float *q, *k, *v;
-  float *k_pool, *v_pool, *out;
+  char *k_pool, *v_pool; /* rows of row_bytes (cpu_kv.h) */
+  float *out;
   const int64_t *tables, *starts, *qoffs, *news;
-  int64_t seqs, max_blocks, blocks, block_size, kv, group, dim;
+  int64_t seqs, max_blocks, blocks, block_size, kv, group, dim, row_bytes;
+  int kind;
   int64_t q_tstride, q_hstride, k_tstride, k_hstride;
   int64_t query_block, qblocks; /* work item = (sequence, KV head, query block) */
   int64_t window;                /* 0: every earlier position; W: the last W */
@@ -69,24 +80,30 @@ static inline int64_t first_key(const Call *c, int64_t p) {
 
 static int append(const Call *c, int64_t s) {
   const int64_t *table = c->tables + s * c->max_blocks;
-  const size_t row = (size_t)c->dim * sizeof(float);
   for (int64_t j = 0; j < c->news[s]; j++) {
     int64_t p = c->starts[s] + j, b = p / c->block_size;
     if (b >= c->max_blocks || table[b] < 0 || table[b] >= c->blocks) return 0;
     for (int64_t g = 0; g < c->kv; g++) {
-      int64_t slot = ((table[b] * c->kv + g) * c->block_size + p % c->block_size) * c->dim;
+      int64_t slot = ((table[b] * c->kv + g) * c->block_size + p % c->block_size) * c->row_bytes;
       int64_t src = (c->qoffs[s] + j) * c->k_tstride + g * c->k_hstride;
-      memcpy(c->k_pool + slot, c->k + src, row);
-      memcpy(c->v_pool + slot, c->v + src, row);
+      dspark_kv_store(c->kind, c->k_pool + slot, c->k + src, c->dim);
+      dspark_kv_store(c->kind, c->v_pool + slot, c->v + src, c->dim);
     }
   }
   return 1;
 }
 
-static inline const float *pool_row(const Call *c, const float *pool, const int64_t *table,
-                                    int64_t g, int64_t i) {
+static inline const char *pool_row(const Call *c, const char *pool, const int64_t *table,
+                                   int64_t g, int64_t i) {
   return pool + ((table[i / c->block_size] * c->kv + g) * c->block_size + i % c->block_size) *
-                    c->dim;
+                    c->row_bytes;
+}
+
+/* a row as float32: the pool's own floats, or its values converted into `tmp` */
+static inline const float *row_floats(const Call *c, const char *row, float *tmp) {
+  if (c->kind == KV_FLOAT32) return (const float *)row;
+  dspark_kv_load(c->kind, row, tmp, c->dim);
+  return tmp;
 }
 
 /* row[0 .. limit-1] -> softmax of it, in place */
@@ -101,14 +118,15 @@ static inline void softmax(float *row, int64_t limit) {
   for (int64_t i = 0; i < limit; i++) row[i] *= inv;
 }
 
-/* Queries j0 .. j1-1 of sequence s against KV head g. scores: [(j1-j0) * group][length]. */
+/* Queries j0 .. j1-1 of sequence s against KV head g. scores: [(j1-j0) * group][length];
+   tmp: a row's values (dim floats). */
 static void attend(const Call *c, int64_t s, int64_t g, int64_t j0, int64_t j1, float *scores,
-                   float *acc) {
+                   float *acc, float *tmp) {
   const int64_t *table = c->tables + s * c->max_blocks;
   const int64_t start = c->starts[s], qoff = c->qoffs[s], group = c->group, dim = c->dim;
   const int64_t length = start + j1, rows = (j1 - j0) * group, first = first_key(c, start + j0);
   for (int64_t i = first; i < length; i++) {
-    const float *key = pool_row(c, c->k_pool, table, g, i);
+    const float *key = row_floats(c, pool_row(c, c->k_pool, table, g, i), tmp);
     /* query j sees key i when i <= start + j (and i > start + j - window) */
     const int64_t last = c->window > 0 ? min64(j1, i - start + c->window) : j1;
     for (int64_t j = max64(j0, i - start); j < last; j++) {
@@ -126,7 +144,7 @@ static void attend(const Call *c, int64_t s, int64_t g, int64_t j0, int64_t j1, 
   }
   memset(acc, 0, (size_t)(rows * dim) * sizeof(float));
   for (int64_t i = first; i < length; i++) {
-    const float *value = pool_row(c, c->v_pool, table, g, i);
+    const float *value = row_floats(c, pool_row(c, c->v_pool, table, g, i), tmp);
     const int64_t last = c->window > 0 ? min64(rows, (i - start - j0 + c->window) * group) : rows;
     for (int64_t r = max64(0, i - start - j0) * group; r < last; r++) {
       const float p = scores[r * length + i];
@@ -146,9 +164,9 @@ static void attend(const Call *c, int64_t s, int64_t g, int64_t j0, int64_t j1, 
 enum { AHEAD = 16 };
 
 static inline void prefetch_rows(const Call *c, const int64_t *table, int64_t g, int64_t i) {
-  const char *k = (const char *)pool_row(c, c->k_pool, table, g, i);
-  const char *v = (const char *)pool_row(c, c->v_pool, table, g, i);
-  for (int64_t x = 0; x < c->dim * (int64_t)sizeof(float); x += 64) {
+  const char *k = pool_row(c, c->k_pool, table, g, i);
+  const char *v = pool_row(c, c->v_pool, table, g, i);
+  for (int64_t x = 0; x < c->row_bytes; x += 64) {
     __builtin_prefetch(k + x, 0, 3);
     __builtin_prefetch(v + x, 0, 2);
   }
@@ -166,6 +184,19 @@ typedef float vec16 __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int ivec16 __attribute__((vector_size(64)));
 
 static inline vec16 load16(const float *p) { return *(const vec16 *)p; }
+
+/* values 16t .. 16t+15 of a cache row (FAST_DIM values) as floats: float16 through the
+   conversion instruction, int8 times the row's scale; `kind` is a constant at each call */
+static inline __attribute__((always_inline)) vec16 lrow16(const int kind, const char *row,
+                                                          int t) {
+  if (kind == KV_FLOAT32) return load16((const float *)row + 16 * t);
+  if (kind == KV_FLOAT16)
+    return (vec16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 32 * t)));
+  float scale;
+  memcpy(&scale, row + FAST_DIM, sizeof(scale));
+  return (vec16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+             _mm_loadu_si128((const __m128i *)(row + 16 * t)))) * scale;
+}
 
 #if defined(__clang__)
 #define SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
@@ -215,9 +246,9 @@ static inline vec16 sums16(const vec16 *d) {
    verify of it take the same path. */
 static inline __attribute__((always_inline)) void attend_group(
     const Call *c, int64_t s, int64_t g, int64_t j0, int64_t j1, float *scores,
-    const int64_t group) {
+    const int64_t group, const int kind) {
   const int64_t *table = c->tables + s * c->max_blocks;
-  const int64_t start = c->starts[s], qoff = c->qoffs[s];
+  const int64_t start = c->starts[s], qoff = c->qoffs[s], stride = c->row_bytes;
   const int64_t length = start + j1, first = first_key(c, start + j0);
   for (int64_t i = first; i < first + AHEAD && i < length; i++) prefetch_rows(c, table, g, i);
   for (int64_t j = j0; j < j1; j++) {
@@ -229,7 +260,7 @@ static inline __attribute__((always_inline)) void attend_group(
     }
     float *sc = scores + (j - j0) * group * length;
     for (int64_t i = lo; i < limit;) {
-      const float *key = pool_row(c, c->k_pool, table, g, i);
+      const char *key = pool_row(c, c->k_pool, table, g, i);
       if (c->block_size % CHUNK == 0 && i % CHUNK == 0 && i + CHUNK <= limit) {
         /* CHUNK keys of one block (contiguous rows): their scores reduced together */
         if (j == j0)
@@ -238,9 +269,9 @@ static inline __attribute__((always_inline)) void attend_group(
         for (int64_t u = 0; u < group; u++) {
           vec16 d[CHUNK];
           for (int t = 0; t < CHUNK; t++) {
-            const float *row = key + t * FAST_DIM;
-            d[t] = (load16(row) * q[u][0] + load16(row + 16) * q[u][1]) +
-                   (load16(row + 32) * q[u][2] + load16(row + 48) * q[u][3]);
+            const char *row = key + t * stride;
+            d[t] = (lrow16(kind, row, 0) * q[u][0] + lrow16(kind, row, 1) * q[u][1]) +
+                   (lrow16(kind, row, 2) * q[u][2] + lrow16(kind, row, 3) * q[u][3]);
           }
           *(vec16 *)(sc + u * length + i) = sums16(d) * c->scale;
         }
@@ -248,8 +279,8 @@ static inline __attribute__((always_inline)) void attend_group(
         continue;
       }
       if (j == j0 && i + AHEAD < length) prefetch_rows(c, table, g, i + AHEAD);
-      const vec16 k0 = load16(key), k1 = load16(key + 16), k2 = load16(key + 32),
-                  k3 = load16(key + 48);
+      const vec16 k0 = lrow16(kind, key, 0), k1 = lrow16(kind, key, 1),
+                  k2 = lrow16(kind, key, 2), k3 = lrow16(kind, key, 3);
       for (int64_t u = 0; u < group; u++)
         sc[u * length + i] =
             sum16((k0 * q[u][0] + k1 * q[u][1]) + (k2 * q[u][2] + k3 * q[u][3])) * c->scale;
@@ -259,9 +290,9 @@ static inline __attribute__((always_inline)) void attend_group(
     vec16 acc[FAST_GROUP][4];
     memset(acc, 0, sizeof(acc));
     for (int64_t i = lo; i < limit; i++) {
-      const float *value = pool_row(c, c->v_pool, table, g, i);
-      const vec16 v0 = load16(value), v1 = load16(value + 16), v2 = load16(value + 32),
-                  v3 = load16(value + 48);
+      const char *value = pool_row(c, c->v_pool, table, g, i);
+      const vec16 v0 = lrow16(kind, value, 0), v1 = lrow16(kind, value, 1),
+                  v2 = lrow16(kind, value, 2), v3 = lrow16(kind, value, 3);
       for (int64_t u = 0; u < group; u++) {
         const float p = sc[u * length + i];
         acc[u][0] += p * v0;
@@ -290,6 +321,33 @@ typedef int ivec8 __attribute__((vector_size(32)));
 
 static inline vec8 load8(const float *p) { return *(const vec8 *)p; }
 
+/* values 8t .. 8t+7 of a cache row (FAST_DIM values) as floats, as lrow16 reads them: the
+   conversion instructions where the CPU has them, else the values converted one by one */
+static inline __attribute__((always_inline)) vec8 lrow8(const int kind, const char *row,
+                                                        int t) {
+  if (kind == KV_FLOAT32) return load8((const float *)row + 8 * t);
+#if defined(__F16C__)
+  if (kind == KV_FLOAT16)
+    return (vec8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 16 * t)));
+#endif
+  float scale;
+  memcpy(&scale, row + FAST_DIM, sizeof(scale));
+#if defined(__AVX2__)
+  if (kind == KV_INT8)
+    return (vec8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+               _mm_loadl_epi64((const __m128i *)(row + 8 * t)))) * scale;
+#endif
+  float out[8];
+  if (kind == KV_FLOAT16) {
+    uint16_t h[8];
+    memcpy(h, row + 16 * t, sizeof(h));
+    for (int x = 0; x < 8; x++) out[x] = dspark_half_to_float(h[x]);
+  } else {
+    for (int x = 0; x < 8; x++) out[x] = (float)((const int8_t *)row)[8 * t + x] * scale;
+  }
+  return load8(out);
+}
+
 #if defined(__clang__)
 #define SHUFFLE8(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
 #else
@@ -306,7 +364,7 @@ static inline float sum16_halves(vec8 lo, vec8 hi) { /* halves, quarters, pairs,
 
 static inline __attribute__((always_inline)) void attend_group(
     const Call *c, int64_t s, int64_t g, int64_t j0, int64_t j1, float *scores,
-    const int64_t group) {
+    const int64_t group, const int kind) {
   const int64_t *table = c->tables + s * c->max_blocks;
   const int64_t start = c->starts[s], qoff = c->qoffs[s];
   const int64_t length = start + j1, first = first_key(c, start + j0);
@@ -319,10 +377,10 @@ static inline __attribute__((always_inline)) void attend_group(
     float *sc = scores + (j - j0) * group * length;
     for (int64_t i = lo; i < limit; i++) {
       if (j == j0 && i + AHEAD < length) prefetch_rows(c, table, g, i + AHEAD);
-      const float *key = pool_row(c, c->k_pool, table, g, i);
-      const vec8 k0 = load8(key), k1 = load8(key + 8), k2 = load8(key + 16),
-                 k3 = load8(key + 24), k4 = load8(key + 32), k5 = load8(key + 40),
-                 k6 = load8(key + 48), k7 = load8(key + 56);
+      const char *key = pool_row(c, c->k_pool, table, g, i);
+      const vec8 k0 = lrow8(kind, key, 0), k1 = lrow8(kind, key, 1), k2 = lrow8(kind, key, 2),
+                 k3 = lrow8(kind, key, 3), k4 = lrow8(kind, key, 4), k5 = lrow8(kind, key, 5),
+                 k6 = lrow8(kind, key, 6), k7 = lrow8(kind, key, 7);
       for (int64_t u = 0; u < group; u++) {
         const float *r = q[u];
         const vec8 dlo = (k0 * load8(r) + k2 * load8(r + 16)) +
@@ -336,14 +394,17 @@ static inline __attribute__((always_inline)) void attend_group(
     for (int64_t half = 0; half < FAST_DIM; half += FAST_DIM / 2) {
       vec8 acc[FAST_GROUP][4];
       memset(acc, 0, sizeof(acc));
+      const int part = (int)(half / 8);
       for (int64_t i = lo; i < limit; i++) {
-        const float *value = pool_row(c, c->v_pool, table, g, i) + half;
+        const char *value = pool_row(c, c->v_pool, table, g, i);
+        const vec8 v0 = lrow8(kind, value, part), v1 = lrow8(kind, value, part + 1),
+                   v2 = lrow8(kind, value, part + 2), v3 = lrow8(kind, value, part + 3);
         for (int64_t u = 0; u < group; u++) {
           const float p = sc[u * length + i];
-          acc[u][0] += p * load8(value);
-          acc[u][1] += p * load8(value + 8);
-          acc[u][2] += p * load8(value + 16);
-          acc[u][3] += p * load8(value + 24);
+          acc[u][0] += p * v0;
+          acc[u][1] += p * v1;
+          acc[u][2] += p * v2;
+          acc[u][3] += p * v3;
         }
       }
       for (int64_t u = 0; u < group; u++) {
@@ -358,19 +419,28 @@ static inline __attribute__((always_inline)) void attend_group(
 #endif
 
 #if defined(__GNUC__)
+#define GROUPS(kind)                                                    \
+  switch (c->group) {                                                   \
+    case 1: attend_group(c, s, g, j0, j1, scores, 1, kind); break;      \
+    case 2: attend_group(c, s, g, j0, j1, scores, 2, kind); break;      \
+    case 3: attend_group(c, s, g, j0, j1, scores, 3, kind); break;      \
+    default: attend_group(c, s, g, j0, j1, scores, 4, kind); break;     \
+  }
+
 static void attend_fast(const Call *c, int64_t s, int64_t g, int64_t j0, int64_t j1,
                         float *scores) {
-  switch (c->group) {
-    case 1: attend_group(c, s, g, j0, j1, scores, 1); break;
-    case 2: attend_group(c, s, g, j0, j1, scores, 2); break;
-    case 3: attend_group(c, s, g, j0, j1, scores, 3); break;
-    default: attend_group(c, s, g, j0, j1, scores, 4); break;
+  if (c->kind == KV_FLOAT16) {
+    GROUPS(KV_FLOAT16)
+  } else if (c->kind == KV_INT8) {
+    GROUPS(KV_INT8)
+  } else {
+    GROUPS(KV_FLOAT32)
   }
 }
 #define HAVE_FAST 1
 #else
 #define HAVE_FAST 0
-#define attend_fast(c, s, g, j0, j1, scores) attend(c, s, g, j0, j1, scores, NULL)
+#define attend_fast(c, s, g, j0, j1, scores) attend(c, s, g, j0, j1, scores, NULL, NULL)
 #endif
 
 enum { STACK_FLOATS = 16384 };
@@ -383,7 +453,7 @@ static void attend_item(void *data, size_t item) {
   if (j0 >= c->news[s]) return;
   int64_t j1 = min64(c->news[s], j0 + c->query_block);
   int64_t rows = (j1 - j0) * c->group, length = c->starts[s] + j1;
-  size_t need = (size_t)(rows * length + rows * c->dim);
+  size_t need = (size_t)(rows * length + rows * c->dim + c->dim);
   float stack[STACK_FLOATS];
   float *buffer = need <= STACK_FLOATS ? stack : (float *)malloc(need * sizeof(float));
   if (buffer == NULL) { /* cannot report from a pool thread: leave this item's rows zero */
@@ -396,7 +466,7 @@ static void attend_item(void *data, size_t item) {
   if (HAVE_FAST && c->dim == FAST_DIM && c->group <= FAST_GROUP)
     attend_fast(c, s, g, j0, j1, buffer);
   else
-    attend(c, s, g, j0, j1, buffer, buffer + rows * length);
+    attend(c, s, g, j0, j1, buffer, buffer + rows * length, buffer + rows * (length + c->dim));
   if (buffer != stack) free(buffer);
 }
 
@@ -422,6 +492,20 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, const void *api,
   }
   if (ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_STRING, StrAttr)(info, "layout", layout, &size)))
     k->tokens_layout = strcmp(layout, "tokens") == 0; /* absent: "heads", as exported */
+  char dtype[16] = {0};
+  size = sizeof(dtype);
+  k->kind = KV_FLOAT32; /* absent: float32 */
+  if (ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_STRING, StrAttr)(info, "kv_dtype", dtype, &size))) {
+    if (strcmp(dtype, "float16") == 0) {
+      k->kind = KV_FLOAT16;
+    } else if (strcmp(dtype, "int8") == 0 && k->dim % 4 == 0) {
+      k->kind = KV_INT8;
+    } else if (strcmp(dtype, "float32") != 0) {
+      free(k);
+      return error("SpeculativeVerify: kv_dtype must be float32, float16 or int8 (int8: "
+                   "head_dim a multiple of 4)");
+    }
+  }
   if (!ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_INT64, IntAttr)(info, "window", &k->window)))
     k->window = 0; /* absent: every earlier position */
   if (k->window < 0) {
@@ -440,8 +524,8 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
   c.q = (const float *)input(ctx, 0, &qs);
   c.k = (const float *)input(ctx, 1, &ks);
   c.v = (const float *)input(ctx, 2, NULL);
-  c.k_pool = (float *)input(ctx, 3, &ps);
-  c.v_pool = (float *)input(ctx, 4, NULL);
+  c.k_pool = (char *)input(ctx, 3, &ps);
+  c.v_pool = (char *)input(ctx, 4, NULL);
   c.tables = (const int64_t *)input(ctx, 5, &ts);
   c.starts = (const int64_t *)input(ctx, 6, &ss);
   c.qoffs = (const int64_t *)input(ctx, 7, NULL);
@@ -452,7 +536,9 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
       c.tables == NULL || c.starts == NULL || c.qoffs == NULL || c.news == NULL)
     return error("SpeculativeVerify: an input is missing");
   const int64_t tokens = qs.count / (k->heads * k->dim);
-  if (ps.rank != 4 || ts.rank != 2 || ps.dims[1] != k->kv_heads || ps.dims[3] != k->dim ||
+  const int64_t row_bytes = dspark_kv_row_bytes(k->kind, k->dim);
+  if (ps.rank != 4 || ts.rank != 2 || ps.dims[1] != k->kv_heads ||
+      ps.dims[3] * (int64_t)sizeof(float) != row_bytes ||
       qs.count != tokens * k->heads * k->dim || ks.count != tokens * k->kv_heads * k->dim ||
       ts.dims[0] != ss.count)
     return error("SpeculativeVerify: q/k/v, the pools or the tables do not match the op's "
@@ -473,6 +559,8 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
   c.kv = k->kv_heads;
   c.group = k->heads / k->kv_heads;
   c.dim = k->dim;
+  c.row_bytes = row_bytes;
+  c.kind = k->kind;
   c.scale = k->scale;
   c.window = k->window;
   c.q_tstride = k->tokens_layout ? k->heads * k->dim : k->dim;

@@ -30,8 +30,10 @@ HERE = Path(__file__).resolve().parent
 # plain loops and op, its x86 and aarch64 vector paths), the row ops (RmsNorm, SkipRmsNorm,
 # Silu: cpu_rows.c) and QuantizeTokens (cpu_quant.c)
 SOURCES = (HERE / "cpu_op.c", HERE / "cpu_int4.c", HERE / "cpu_int4_x86.c",
-           HERE / "cpu_int4_arm.c", HERE / "cpu_rows.c", HERE / "cpu_quant.c")
-HEADERS = (HERE / "ort_abi.h", HERE / "cpu_int4.h", HERE / "cpu_int4_body.h")
+           HERE / "cpu_int4_arm.c", HERE / "cpu_rows.c", HERE / "cpu_quant.c",
+           HERE / "cpu_kv.c")
+HEADERS = (HERE / "ort_abi.h", HERE / "cpu_int4.h", HERE / "cpu_int4_body.h",
+           HERE / "cpu_kv.h")
 # MatMulInt4 picks its path at run time, each compiled for its own instruction set: on
 # x86-64 its files take a baseline every such CPU has instead of -march=native, so its
 # AVX2 path is AVX2 code on this CPU too (its tests run every path the CPU has)
@@ -40,8 +42,10 @@ ISA_PATHS = ("generic", "avx2", "avx_vnni", "avx512", "avx512_vnni",
 PORTABLE = {"cpu_int4.c", "cpu_int4_x86.c", "cpu_int4_arm.c"}
 BASELINE = ("-march=x86-64-v2", "-mtune=native")
 # files whose arithmetic must be IEEE's as written (QuantizeTokens: a division, not a product
-# with the reciprocal; onnxruntime's rounding, bit for bit): no fast-math flags
-EXACT = {"cpu_quant.c"}
+# with the reciprocal; onnxruntime's rounding, bit for bit; the KV cache's float16 and int8
+# rows, as the reference rounds them): no fast-math flags, and the KV rows no contraction
+EXACT = {"cpu_quant.c", "cpu_kv.c"}
+UNCONTRACTED = {"cpu_kv.c"}
 _FAST = {"-ffast-math", "-fassociative-math", "-freciprocal-math", "-fno-signed-zeros"}
 # Two builds, the first that links wins:
 #   compiled with -ffast-math, linked without it, with glibc's vector math library: the dot
@@ -92,7 +96,8 @@ def op_library(cache_dir: str, cc: str, march: str = "native") -> OpLibrary:
     if version is None:
         return OpLibrary(None, f"no C compiler ({cc!r}; set CC)")
     source = b"\0".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
-    flags = repr((BUILDS, sorted(EXACT), sorted(PORTABLE), BASELINE)).encode()
+    flags = repr((BUILDS, sorted(EXACT), sorted(UNCONTRACTED), sorted(PORTABLE),
+                  BASELINE)).encode()
     key = hashlib.sha256(b"\0".join([source, flags, version.encode(),
                                      _cpu_signature().encode(), march.encode()])).hexdigest()[:16]
     target = Path(cache_dir) / f"dspark-cpu-op-{key}.so"
@@ -131,7 +136,8 @@ def _build(cc: str, compile_flags: tuple[str, ...], link_flags: tuple[str, ...],
 
 def _flags(compile_flags: tuple[str, ...], source: Path) -> list[str]:
     if source.name in EXACT:
-        return [f for f in compile_flags if f not in _FAST] + ["-fno-fast-math"]
+        return ([f for f in compile_flags if f not in _FAST] + ["-fno-fast-math"]
+                + (["-ffp-contract=off"] if source.name in UNCONTRACTED else []))
     if source.name not in PORTABLE or platform.machine() not in ("x86_64", "AMD64"):
         return list(compile_flags)
     return [f for f in compile_flags if not f.startswith("-march=")] + list(BASELINE)

@@ -78,6 +78,9 @@ class Engine:
         self.costs = CostModel()
         self.device = resolve_device(device)
         self.shared_kv = shared_kv_roles(bundle, self.config.drafting.share_main_kv)
+        if kv_dtype not in (None, "float32") and self.device.type == "cuda":
+            raise DSparkError(f"--kv-cache-dtype {kv_dtype} runs on the CPU; on a GPU the "
+                              "cache keeps the model's own dtype")
         layout = kv_layout(bundle, self.shared_kv, None, kv_dtype, max_seq_len)
         if kv_budget == "auto":
             kv_budget = kv_budget_for(self.config.resources, layout.bytes_per_seq, max_batch,

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 
 from dspark.runtime.bundle.bundle import open_bundle
 from dspark.runtime.bundle.config import CONFIG_FILE, DFlashConfig
@@ -31,12 +30,13 @@ class KVOptions:
 def load_engine(model: Path, window: int | None = None, max_batch: int = 16,
                 policy: str | None = None, config: Path | DFlashConfig | None = None,
                 warmup: bool = True, device: str = "auto", watch: bool = True,
-                kv: KVOptions = KVOptions()) -> tuple[Engine, BundleTokenizer | None]:
+                kv: KVOptions | None = None) -> tuple[Engine, BundleTokenizer | None]:
     """`window` alone means the fixed policy at that window; `policy` picks one by name.
     `config` (a file, or a config already validated) replaces the bundle's
     dflash_config.json; the file is hot-reloaded unless `watch` is off (dsrun cluster pushes
     configs to its replicas instead). `device`: auto, cpu or cuda. `kv`: the KV cache's
     size, dtype, prefix caching and longest sequence."""
+    kv = kv or KVOptions()
     init_threads()
     given = config if isinstance(config, DFlashConfig) else None
     config = None if given is not None else config

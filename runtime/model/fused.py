@@ -48,12 +48,14 @@ def tables_input(group: str) -> str:
 
 def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int],
                 int4_path: str | None = None, few_rows=None,
-                groups: dict[int, str] | None = None) -> tuple[bytes, int]:
+                groups: dict[int, str] | None = None, kv_dtype: str = "float32"
+                ) -> tuple[bytes, int]:
     """The role's whole graph with arena and batch inputs on every SpeculativeVerify node,
-    and how many projections became MatMulInt4. pool_shape: (kv_heads, block_size, head_dim)
-    of the pool the model reads. `int4_path`: run its low-bit projections as MatMulInt4 on
-    that path (int4_rows.py; None: keep MatMulNBits); `few_rows`: rewrite_int4's. `groups`:
-    each layer's KV group (its block tables; default: one group)."""
+    and how many projections became MatMulInt4. pool_shape: (kv_heads, block_size, row
+    floats) of the pool the model reads (a row: one token's values of one KV head as
+    `kv_dtype` stores them, cpu_kv.c). `int4_path`: run its low-bit projections as
+    MatMulInt4 on that path (int4_rows.py; None: keep MatMulNBits); `few_rows`:
+    rewrite_int4's. `groups`: each layer's KV group (its block tables; default: one)."""
     groups = groups or {}
     spec = bundle.model(role)
     model = onnx.load(str(bundle.path(spec.graph_file)), load_external_data=False)
@@ -75,7 +77,8 @@ def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int],
                 helper.make_attribute("head_dim", op.head_dim),
                 helper.make_attribute("scale", float(op.scale)),
                 helper.make_attribute("layout", op.layout),
-                helper.make_attribute("window", op.window)])
+                helper.make_attribute("window", op.window),
+                helper.make_attribute("kv_dtype", kv_dtype)])
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     for layer in sorted({op.layer for op in spec.verify_ops}):
         for name in pool_inputs(layer):
@@ -125,12 +128,13 @@ class FusedModel:
         self.arena = arena
         self.pool = pool
         self.library = library
-        first = arena.pools[pool].k[0]
         self.int4_path = int4_path
         self.groups = arena.pools[pool].group_of
+        layout = arena.groups[self.groups[self.spec.verify_ops[0].layer]].layout
         graph, self.int4_projections = fused_graph(
-            bundle, role, tuple(first.shape[1:]), int4_path, few_rows,
-            {op.layer: self.groups[op.layer] for op in self.spec.verify_ops})
+            bundle, role, (layout.num_kv_heads, layout.block_size, layout.row_bytes // 4),
+            int4_path, few_rows, {op.layer: self.groups[op.layer] for op in self.spec.verify_ops},
+            layout.dtype)
         config = {EXTERNAL_FOLDER: str(bundle.path(self.spec.graph_file).parent)}
         adaptive = read_env().adaptive
         self.session = make_session(graph, custom_ops=library, profile_prefix=profile_prefix,
@@ -154,8 +158,9 @@ class FusedModel:
         binding = session.io_binding()
         pool = self.arena.pools[self.pool]
         for layer in self.layers:
+            rows = self.arena.groups[self.groups[layer]].layout.row_bytes // 4
             for name, tensor in zip(pool_inputs(layer), (pool.k[layer], pool.v[layer])):
-                binding.bind_input(name, "cpu", 0, np.float32, list(tensor.shape),
+                binding.bind_input(name, "cpu", 0, np.float32, [*tensor.shape[:3], rows],
                                    tensor.data_ptr())
         return binding
 

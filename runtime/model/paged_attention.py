@@ -9,7 +9,7 @@ window (prefill) is gathered by head and runs as matmuls, on onnxruntime's threa
     q [heads, n, d] -> [kv, group*n, d] --(q*scale K^T, causal bias, softmax, @ V)--> out
 Query j of a sequence (position p = start+j) sees keys 0..p, or p-W+1..p in a layer of
 window W. The numpy path also serves arenas that are not float32 (the compiled kernel is
-float32 only).
+float32 only): their rows stored and read as the CPU op does (cache/kv_rows.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 
 from dspark.kernels.cpu_verify import cpu_verify_attention
 from dspark.runtime.bundle.spec import VerifyOp
+from dspark.runtime.cache import kv_rows
 from dspark.runtime.cache.kv_arena import KVArena
 from dspark.runtime.model.batch import FlatBatch
 from dspark.runtime.model.ort_attention import ort_attend
@@ -177,12 +178,15 @@ class PagedAttention:
             q, k, v = (np.ascontiguousarray(x, np.float32) for x in (q, k, v))
             cpu_verify_attention(q, k, v, ka, va, m.tables, m.starts, m.qoffs, m.news,
                                  m.compiled, op.scale, out, op.window)
+        dtype = self.arena.groups[self.group_of[op.layer]].layout.dtype
         for i, s in enumerate(m.windows):
-            ka[s.write_blocks, :, s.write_offsets] = k[s.rows]
-            va[s.write_blocks, :, s.write_offsets] = v[s.rows]
+            ka[s.write_blocks, :, s.write_offsets] = kv_rows.store(k[s.rows], dtype)
+            va[s.write_blocks, :, s.write_offsets] = kv_rows.store(v[s.rows], dtype)
             bias = m.bias(i, op.window)
             fn = ort_attend if bias is not None and s.pairs >= ORT_WINDOW else attend
             keys = s.length - s.base
-            out[s.rows] = fn(q[s.rows].swapaxes(0, 1), by_head(ka, s.blocks, keys),
-                             by_head(va, s.blocks, keys), bias, op.scale).swapaxes(0, 1)
+            out[s.rows] = fn(q[s.rows].swapaxes(0, 1),
+                             kv_rows.load(by_head(ka, s.blocks, keys), dtype),
+                             kv_rows.load(by_head(va, s.blocks, keys), dtype), bias,
+                             op.scale).swapaxes(0, 1)
         return out

@@ -6,7 +6,6 @@ import logging
 import time
 
 import numpy as np
-import torch
 
 from dspark.kernels.cpu_op import int4_paths, op_library
 from dspark.kernels.library import KernelLibrary, for_device
@@ -22,6 +21,7 @@ from dspark.runtime.model.kernel_attention import KernelAttention
 from dspark.runtime.model.paged_attention import PagedAttention
 
 log = logging.getLogger("dspark.runtime")
+OP_DTYPES = ("float32", "float16", "int8")  # the KV rows the CPU op stores (cpu_kv.c)
 
 
 def kernel_library(bundle: Bundle, role: str, arena: KVArena) -> KernelLibrary:
@@ -33,13 +33,15 @@ def kernel_library(bundle: Bundle, role: str, arena: KVArena) -> KernelLibrary:
 
 def cpu_model(bundle: Bundle, role: str, arena: KVArena, pool: str
               ) -> FusedModel | SegmentedModel:
-    """One session with the CPU op inside when it can (float32 arena, the op built, not
-    turned off by DSPARK_CPU_OP=0), else the segments with the numpy/numba attention.
+    """One session with the CPU op inside when it can (a float32, float16 or int8 arena, the
+    op built, not turned off by DSPARK_CPU_OP=0), else the segments with the numpy/numba
+    attention.
     Low-bit projections run as MatMulInt4 on the best vector path the CPU has, or the one
     DSPARK_CPU_ISA names (int4_rows.py; DSPARK_CPU_INT4=0: not)."""
     env = read_env()
-    float32 = arena.pools[pool].k[0].dtype == torch.float32
-    library = (op_library(kernel_cache_dir(), env.cc, env.cpu_march) if env.cpu_op and float32
+    group = arena.groups[arena.pools[pool].groups[0]].layout
+    stored = group.dtype in OP_DTYPES and group.row_bytes % 4 == 0
+    library = (op_library(kernel_cache_dir(), env.cc, env.cpu_march) if env.cpu_op and stored
                else None)
     if library is not None and library.path is not None:
         paths = int4_paths(library.path)
@@ -54,8 +56,8 @@ def cpu_model(bundle: Bundle, role: str, arena: KVArena, pool: str
             log.info("%s: %d int4 projections run as MatMulInt4 (%s)", role,
                      model.int4_projections, path)
         return model
-    why = ("DSPARK_CPU_OP=0" if not env.cpu_op else "a non-float32 KV cache" if not float32
-           else library.reason)
+    why = ("DSPARK_CPU_OP=0" if not env.cpu_op else f"a {group.dtype} KV cache of head_dim "
+           f"{group.head_dim}" if not stored else library.reason)
     log.info("%s runs as segments: %s", role, why)
     return SegmentedModel(bundle, role, PagedAttention(arena, pool))
 

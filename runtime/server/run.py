@@ -24,7 +24,7 @@ def build_app(model: Path, api_key: str | None = None, max_batch: int = 16,
               config: Path | DFlashConfig | None = None,
               policy: str | None = None, name: str | None = None, device: str = "auto",
               max_body_bytes: int = 8 * 2**20, replica: str | None = None,
-              watch: bool = True, kv: KVOptions = KVOptions()):
+              watch: bool = True, kv: KVOptions | None = None):
     engine, tokenizer = load_engine(model, max_batch=max_batch, policy=policy, config=config,
                                     warmup=False, device=device, watch=watch, kv=kv)
     served = name or model_id(model)
