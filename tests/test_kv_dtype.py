@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 import pytest
 import torch
@@ -212,9 +211,10 @@ def test_a_genai_cache_cannot_be_rounded_in_its_original():
     """GroupQueryAttention rotates the keys it caches: the original cannot be rounded alike,
     and the refusal names the node."""
     from conftest import BUILD
-    from model_fixtures import build_genai_fixtures
 
     from dspark.runtime.errors import UnmappableAttentionError
+
+    from model_fixtures import build_genai_fixtures
 
     folder = build_genai_fixtures(BUILD)["llama-fp32"]
     with pytest.raises(UnmappableAttentionError, match="GroupQueryAttention node '.+'"):
