@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dspark.runtime.bundle.bundle import Bundle
 from dspark.runtime.bundle.spec import ModelSpec
+from dspark.runtime.cache.layout import plan_layout
 
 
 def inspect_dict(bundle: Bundle) -> dict:
@@ -65,11 +66,15 @@ def inspect_text(bundle: Bundle) -> str:
         lines.append(f"        {spans_text(m['windows'])}, proven to {m['max_positions']} "
                      "positions")
         lines.extend(_stage1_lines(d["stage1"].get(role)))
+    layout = plan_layout(plan, list(bundle.models.values()))
+    groups = ", ".join(f"{g.name} {g.num_blocks} blocks ({len(g.layers)} layers)"
+                       for g in layout.groups)
     lines.append(
-        f"  memory plan: {plan.layout}, block {plan.block_size} tokens, {plan.num_blocks} blocks "
-        f"({plan.capacity_tokens} tokens, {plan.total_bytes / 2**20:.1f} MiB of "
-        f"{plan.budget_bytes / 2**20:.0f} MiB budget), max_seq_len {plan.max_seq_len}, "
-        f"max {plan.max_seqs} full-length sequences"
+        f"  memory plan: {plan.layout}, block {plan.block_size} tokens, max_seq_len "
+        f"{plan.max_seq_len}; at the bundle's default {plan.budget_bytes / 2**20:.0f} MiB: "
+        f"{groups}, {layout.max_seqs} full-length sequences (dsrun sizes the arena at start: "
+        "--kv-cache-memory, by default twice --max-batch such sequences within 40% of the "
+        "memory available)"
     )
     lines.append(f"  config: window policy {cfg.window.policy} (initial {cfg.window.initial}, "
                  f"max {cfg.window.max_window}), tenants {[t.name for t in cfg.tenants]}")

@@ -182,6 +182,13 @@ REPORTS = [
      "The Gemma 3 sample and onnxruntime-genai's fp32 build of the same weights (also compiled "
      "by dsc), on the base-model prompts of samples/prompts/base_prompts.jsonl, 128 new tokens, "
      "interleaved; ratios to each system's own plain mode and to genai's fastest mode."),
+    ("multi_turn.json", "Multi-turn chats under shared system prompts",
+     "python samples/bench_multi_turn.py --json build/reports/multi_turn.json",
+     "TTFT of a user's first turn when its system prompt is new to the server (cold) or "
+     "another user brought it (shared), and of later turns (warm); the share of prompt "
+     "tokens taken from a cache; output tok/s of the whole workload. dsrun with its prefix "
+     "cache and without (`--no-prefix-cache`), llama-server with `cache_prompt` on and as "
+     "many slots as users at once; the same weights and the same conversations."),
     ("gemma3_bench.json", "Gemma 3 270M: speculation against plain decoding",
      "dsrun bench --model build/gemma3.dsmodel --prompts samples/prompts/base_prompts.jsonl "
      "--repeats 2 --json > build/reports/gemma3_bench.json",
@@ -230,6 +237,12 @@ def bench_table(report: dict) -> list[str]:
     return out
 
 
+def multi_turn_table(report: dict) -> list[str]:
+    from bench_multi_turn import table
+
+    return [report["setup"], "", *table(report)]
+
+
 TABLES = {"peers_greedy.json": peers_table, "peers_sampled.json": peers_table,
           "peers_loaded.json": peers_table, "peers_avx2.json": peers_table,
           "peers_loaded_avx2.json": peers_table, "peers_loaded_one.json": peers_table,
@@ -244,7 +257,7 @@ TABLES = {"peers_greedy.json": peers_table, "peers_sampled.json": peers_table,
           "int4_kernels.json": int4_table, "gemma3_bench.json": bench_table,
           "q4_bench.json": bench_table, "q4_bench_loaded.json": bench_table,
           "q4_bench_avx2.json": bench_table, "q4_bench_avx2_loaded.json": bench_table,
-          "q8_bench.json": bench_table}
+          "q8_bench.json": bench_table, "multi_turn.json": multi_turn_table}
 
 
 def sections(page: str) -> dict[str, list[str]]:

@@ -10,6 +10,7 @@
 #include <math.h>
 #include <stdio.h>
 
+#include "cpu_kv.c"
 #include "cpu_op.c"
 
 const OrtCustomOp dspark_int4_op; /* RegisterCustomOps' other op (cpu_int4.c): never called here */
@@ -54,8 +55,8 @@ static int run(const Case *t, Pool *pool, const float *q, const float *k, const 
   c.q = q + j0 * heads * DIM;
   c.k = k + j0 * t->kv * DIM;
   c.v = v + j0 * t->kv * DIM;
-  c.k_pool = pool->k_pool;
-  c.v_pool = pool->v_pool;
+  c.k_pool = (char *)pool->k_pool;
+  c.v_pool = (char *)pool->v_pool;
   c.out = out + j0 * heads * DIM;
   c.tables = pool->table;
   c.starts = &start;
@@ -68,6 +69,8 @@ static int run(const Case *t, Pool *pool, const float *q, const float *k, const 
   c.kv = t->kv;
   c.group = t->group;
   c.dim = DIM;
+  c.row_bytes = DIM * (int64_t)sizeof(float);
+  c.kind = KV_FLOAT32;
   c.scale = 0.125f;
   c.window = t->window;
   c.q_tstride = heads * DIM;
@@ -79,8 +82,9 @@ static int run(const Case *t, Pool *pool, const float *q, const float *k, const 
   if (!append(&c, 0)) return 0;
   if (plain) {
     const int64_t length = start + n, rows = n * t->group;
-    float *buffer = (float *)malloc((size_t)(rows * length + rows * DIM) * sizeof(float));
-    for (int64_t g = 0; g < t->kv; g++) attend(&c, 0, g, 0, n, buffer, buffer + rows * length);
+    float *buffer = (float *)malloc((size_t)(rows * length + rows * DIM + DIM) * sizeof(float));
+    for (int64_t g = 0; g < t->kv; g++)
+      attend(&c, 0, g, 0, n, buffer, buffer + rows * length, buffer + rows * (length + DIM));
     free(buffer);
   } else {
     for (size_t item = 0; item < (size_t)(t->kv * c.qblocks); item++) attend_item(&c, item);

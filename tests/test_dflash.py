@@ -210,14 +210,16 @@ def test_health_repairs_do_not_change_output(fixture_pairs, compiled, method):
     """Aggressive CHE (compact and defragment between every step) on a batch whose
     sequences finish at different times: same tokens as the original model. Methods named:
     the hybrid's choices follow measured timings, and so would the arena's fragmentation
-    (in a cold process it left nothing to defragment)."""
+    (in a cold process it left nothing to defragment). Without the prefix cache: with it,
+    finished sequences' blocks stay cached instead of leaving holes (CHE moves shared and
+    cached blocks too: tests/test_prefix_cache.py)."""
     from dspark.compiler.reference import OriginalModel
     from dspark.runtime.bundle.bundle import open_bundle
     from dspark.runtime.engine.engine import Engine
     from dspark.runtime.sequence.request import GenerationRequest
 
     main, _ = fixture_pairs[("llama", "dynamo")]
-    engine = Engine(open_bundle(compiled[("llama", "dynamo")]), "fixed", 8)
+    engine = Engine(open_bundle(compiled[("llama", "dynamo")]), "fixed", 8, prefix_cache=False)
     engine.apply_config(DFlashConfig(cache_health=CacheHealthConfig(
         interval_ms=10, kdr_min=1.0, vfi_max=0.0001)))
     engine.health.config = CacheHealthConfig(interval_ms=10, kdr_min=1.0, vfi_max=0.0001)

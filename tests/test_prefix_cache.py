@@ -50,7 +50,8 @@ def _run(kv: KVCache, seq: Sequence, final: int | None = None) -> None:
     """Admit `seq`, write its uncached prompt and commit it (as a prefill would)."""
     assert kv.admit(seq)
     kv.arena.reserve(seq.id, "main", seq.main_cached, len(seq.tokens) - seq.main_cached)
-    kv.commit(seq, "main", len(seq.tokens) if final is None else final)
+    seq.main_cached = len(seq.tokens) if final is None else final
+    kv.commit(seq, "main", seq.main_cached)
 
 
 def test_keys_name_the_whole_prefix():
@@ -75,19 +76,40 @@ def test_a_committed_prefix_is_found_held_and_kept_after_release():
     table = kv.arena.tables[2].blocks["main"]
     assert table == kv.arena.tables[1].blocks["main"][:3]
     assert all(pool.refs[b] == 2 for b in table)
-    kv.release(1)
-    kv.release(2)
-    assert pool.available == pool.num_blocks and pool.cached == 3  # kept, held by nobody
-    third = _seq(3, list(range(40)))  # a shorter prompt: its 2 full blocks
-    assert kv.admit(third) and third.cached_tokens == 32
-    assert kv.prefix.hit == 48 + 32 and kv.prefix.queried == 50 + 51 + 40
+    kv.release(first)
+    kv.release(second)
+    # kept, held by nobody: 3 full blocks, and the first's partly filled last one (the
+    # second computed nothing past what it found)
+    assert pool.available == pool.num_blocks and pool.cached == 4
+    third = _seq(3, list(range(40)))  # 2 full blocks, then 7 of the third's 16 tokens
+    assert kv.admit(third) and third.cached_tokens == 39
+    assert kv.prefix.hit == 48 + 39 and kv.prefix.queried == 50 + 51 + 40
 
 
 def test_at_least_one_prompt_token_is_left_to_compute():
     kv = _cache()
     _run(kv, _seq(1, list(range(40))))
-    again = _seq(2, list(range(32)))  # exactly two cached blocks: the second is recomputed
-    assert kv.admit(again) and again.main_cached == 16 and again.uncached == 16
+    again = _seq(2, list(range(32)))  # two cached blocks: the second's last token computed
+    assert kv.admit(again) and again.main_cached == 31 and again.uncached == 1
+    table = list(kv.arena.tables[2].blocks["main"])
+    assert table == kv.arena.tables[1].blocks["main"][:2]
+    kv.arena.reserve(2, "main", 31, 1)  # the write copies the block it shares
+    assert kv.arena.tables[2].blocks["main"][1] != table[1] and kv.arena.copies == 1
+
+
+def test_a_finished_conversation_is_found_to_its_last_token():
+    """A turn's sequence ends in a partly filled block: released, it is kept under its own
+    key, so the next turn (the same tokens, then a new message) finds every final position
+    and copies that block before writing into it."""
+    kv = _cache()
+    turn = _seq(1, list(range(44)))
+    _run(kv, turn, final=43)  # as a finished sequence: its last token has no KV yet
+    kv.release(turn)
+    assert kv.arena.main.blocks.cached == 3  # 2 full blocks, and 11 tokens of the third
+    following = _seq(2, list(range(43)) + [500, 501, 502])
+    assert kv.admit(following) and following.cached_tokens == 43
+    kv.arena.reserve(2, "main", 43, 3)
+    assert kv.arena.copies == 1 and kv.arena.main.blocks.cached == 3
 
 
 def test_uncommitted_positions_are_not_cached():
@@ -105,9 +127,11 @@ def test_cached_blocks_are_evicted_least_recent_first_and_held_ones_never():
     old, recent = _seq(1, list(range(33))), _seq(2, list(range(100, 133)))
     for seq in (old, recent):
         _run(kv, seq)  # 3 blocks each, 2 of them full and registered
-    kv.release(1)
-    kv.release(2)
-    assert pool.cached == 4 and len(pool.free) == 4  # 2 unused, 2 partly filled
+    kv.release(old)
+    kv.release(recent)
+    # each kept its 2 full blocks; its third holds position 32, the last prompt token's,
+    # which is computed again (its logits start the output): not kept
+    assert pool.cached == 4 and len(pool.free) == 4
     held = _seq(3, list(range(100, 133)))
     assert kv.admit(held) and held.cached_tokens == 32  # recent's prefix, held again
     taken = [pool.take() for _ in range(6)]  # 4 free, then old's 2 cached blocks
@@ -140,14 +164,17 @@ def test_a_write_into_a_shared_block_copies_it():
 
 def test_a_registered_block_is_never_rewritten_in_place():
     """A sequence rewriting a position of a block it alone holds but registered (a draft
-    re-reading its last token) unregisters it first: no later prompt finds changed KV."""
+    re-reading its last token) writes into a copy: the cached prefix stays as it was."""
     kv = _cache()
     _run(kv, _seq(1, list(range(40))))
-    pool = kv.arena.main.blocks
-    block = kv.arena.tables[1].blocks["main"][1]
-    kv.arena.reserve(1, "main", 31, 1)
-    assert kv.arena.tables[1].blocks["main"][1] == block and block not in pool.key_of
-    assert kv.prefix.find(list(range(40)), []).positions["main"] == 16
+    arena, pool = kv.arena, kv.arena.main.blocks
+    block = arena.tables[1].blocks["main"][1]
+    arena.pools["main"].k[0][block, 0, 15] = 2.0
+    arena.reserve(1, "main", 31, 1)
+    arena.pools["main"].k[0][arena.tables[1].blocks["main"][1], 0, 15] = 5.0
+    assert arena.tables[1].blocks["main"][1] != block and block in pool.key_of
+    assert float(arena.pools["main"].k[0][block, 0, 15, 0]) == 2.0
+    assert kv.prefix.find(list(range(40)), []).positions["main"] == 32
 
 
 def test_window_group_drops_unreachable_blocks_and_finds_only_what_it_reads():
@@ -163,11 +190,11 @@ def test_window_group_drops_unreachable_blocks_and_finds_only_what_it_reads():
     assert window[:3] == [NO_BLOCK] * 3 and NO_BLOCK not in window[3:]
     assert arena.groups["main@20"].blocks.held == len(window) - 3
     assert NO_BLOCK not in arena.tables[1].blocks["main"]
-    kv.release(1)
+    kv.release(seq)
     again = _seq(2, list(range(90)))  # 5 full blocks cached in both groups: found whole
     assert kv.admit(again) and again.cached_tokens == 80
     assert arena.tables[2].blocks["main@20"][:3] == [NO_BLOCK] * 3
-    kv.release(2)
+    kv.release(again)
     # the window group loses a block it would read at 80 (evicted): only a shorter prefix
     pool = arena.groups["main@20"].blocks
     keys: list[bytes] = []
@@ -176,7 +203,7 @@ def test_window_group_drops_unreachable_blocks_and_finds_only_what_it_reads():
     shorter = _seq(3, list(range(90)))
     assert kv.admit(shorter) and shorter.cached_tokens == 64
     # ...and one it would not read any more is not needed
-    kv.release(3)
+    kv.release(shorter)
     pool.forget(pool.block_of[keys[0]])
     assert kv.prefix.find(list(range(90)), []).positions["main"] == 64
 
@@ -301,7 +328,7 @@ def _first_tokens(engine: Engine, prompt: list[int], samples: int) -> np.ndarray
     params = [SamplingParams(1.0, seed=i) for i in range(samples)]
     seqs = engine.generate([GenerationRequest(tuple(prompt), 2, p, method="draft")
                             for p in params])
-    assert all(s.cached_tokens == 32 for s in seqs)
+    assert all(s.cached_tokens >= 32 for s in seqs)
     return np.array([s.generated[0] for s in seqs])
 
 
@@ -332,3 +359,86 @@ def test_sampled_tokens_keep_the_distribution_with_a_cached_prefix(compiled, fix
         real(keys, list(range(100, 140)), blocks, block_size)
     monkeypatch.setattr(prefix_cache, "extend_keys", ignore_tokens)
     assert chi_square(_first_tokens(broken, prompt, 1500), p) < 1e-6
+
+
+def test_cache_health_repairs_shared_and_cached_blocks():
+    """Defragmenting moves a block several tables hold, and a cached one nobody holds: every
+    table and the prefix cache follow it, and the data moves with it."""
+    from dspark.runtime.bundle.config import CacheHealthConfig
+    from dspark.runtime.dflash.che import CacheHealth
+
+    kv = _cache(blocks=12, max_seq_len=64, in_flight=1)
+    arena, pool = kv.arena, kv.arena.main.blocks
+    filler = _seq(9, list(range(500, 560)))
+    _run(kv, filler)  # blocks 0-3, released below: a hole at the bottom
+    shared = _seq(1, list(range(40)))
+    _run(kv, shared)  # blocks 4-6; 4 and 5 registered
+    arena.pools["main"].k[0][arena.tables[1].blocks["main"][0], 0, 0] = 3.0
+    reader = _seq(2, list(range(40)))
+    assert kv.admit(reader)  # holds 4 and 5 too
+    kv.release(filler)
+    for b in range(4):  # the filler's prefix and its last block: forgotten, free holes
+        pool.forget(b)
+    before = arena.tables[1].blocks["main"][:2]
+    che = CacheHealth(arena, CacheHealthConfig(vfi_max=0.01))
+    assert che.defragment() > 0
+    after = arena.tables[1].blocks["main"][:2]
+    assert after != before and arena.tables[2].blocks["main"] == after
+    assert float(arena.pools["main"].k[0][after[0], 0, 0, 0]) == 3.0
+    assert all(pool.refs[b] == 2 for b in after)
+    found = kv.prefix.find(list(range(40)), [])
+    assert found.blocks["main"] == after
+
+
+def test_a_grammar_over_a_cached_prompt_gives_the_uncached_output(json_bundle):
+    """The grammar's state is the request's own: a constrained request whose prompt is
+    cached writes what it writes without the cache, and the JSON is valid."""
+    import json
+
+    from dspark.runtime.bundle.tokenizer import load_tokenizer
+    from dspark.runtime.grammar.constraint import GrammarBook
+    from dspark.runtime.grammar.formats import schema_grammar
+
+    bundle = open_bundle(json_bundle)
+    tokenizer = load_tokenizer(bundle.tokenizer_dir)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    prompt = tuple(SYSTEM[:40])
+    outs = {}
+    for cache in (False, True):
+        engine = Engine(bundle, "fixed", 4, eos_ids=tuple(tokenizer.eos_ids),
+                        decode=tokenizer.decode, grammars=GrammarBook.of(bundle, tokenizer),
+                        prefix_cache=cache)
+        runs = [engine.generate([GenerationRequest(prompt, 60, grammar=schema_grammar(
+            schema, "schema"), method=method)])[0] for method in ("draft", "hybrid")]
+        assert (runs[1].cached_tokens > 0) == cache
+        outs[cache] = [s.generated for s in runs]
+        assert all(json.loads(tokenizer.decode(s.generated))["n"] >= 0 for s in runs)
+    assert outs[True] == outs[False]
+
+
+def test_a_mapped_draft_is_not_cached_and_output_is_unchanged(tmp_path):
+    """A draft with a token map keeps its own positions: the main's prefix is found, the
+    draft reads the prompt again (nothing of its own is cached), and the output is the
+    original's greedy tokens either way."""
+    from bundle_cache import compiled as compile_bundle
+    from conftest import BUILD
+    from model_fixtures import build_mapped_pair
+
+    from dspark.compiler.compile import CompileOptions
+    from dspark.compiler.reference import OriginalModel
+
+    mapped = build_mapped_pair(BUILD)
+    out = tmp_path / "mapped.dsmodel"
+    compile_bundle(CompileOptions(mapped["main"], mapped["draft"], out, auto_token_map=True,
+                                  max_seq_len=256, kv_budget_mb=8))
+    engine = Engine(open_bundle(out), "fixed", 4)
+    assert engine.kv.prefix.roles == ("main",)
+    prompt = (305, 306, 305, 307, *SYSTEM[:36])
+    first, second = (engine.generate([GenerationRequest(prompt, 20, method="draft")])[0]
+                     for _ in range(2))
+    assert first.cached_tokens == 0 and second.cached_tokens >= 32
+    want = OriginalModel(mapped["main"]).greedy(list(prompt), 20)
+    assert first.generated == want and second.generated == want
+    assert second.stats.accepted_tokens > 0

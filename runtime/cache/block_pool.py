@@ -7,7 +7,10 @@
              kept until a block is needed and none is free, then evicted least recently
              released first
 A registered block is immutable for as long as its key maps to it: the positions it holds
-are final in every layer of the group.
+are final in every layer of the group. It is also listed under its parent's key with the
+tokens it holds (`children`), so a prompt that follows the parent can take the block's
+first tokens even where the rest differs (prefix_cache.py: a partial match, copied before
+it is written).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ class BlockPool:
         self.lru: OrderedDict[int, None] = OrderedDict()  # cached, least recent first
         self.key_of: dict[int, bytes] = {}
         self.block_of: dict[bytes, int] = {}
+        self.parent_of: dict[int, bytes] = {}  # registered block -> its parent's key
+        self.children: dict[bytes, dict[int, tuple[int, ...]]] = {}  # parent -> block: tokens
         self.evictions = 0
 
     @property
@@ -53,7 +58,7 @@ class BlockPool:
             block = heapq.heappop(self.free)
         elif self.lru:
             block, _ = self.lru.popitem(last=False)
-            del self.block_of[self.key_of.pop(block)]
+            self._unregister(block)
             self.evictions += 1
         else:
             raise ArenaFullError("KV arena full: no free block (raise --kv-cache-memory)")
@@ -76,20 +81,30 @@ class BlockPool:
     def shared(self, block: int) -> bool:
         return self.refs[block] > 1
 
-    def register(self, block: int, key: bytes) -> bool:
-        """Map `key` to `block` (which must hold its positions, final); False where another
-        block holds that prefix already or this one is registered under another key."""
+    def register(self, block: int, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> bool:
+        """Map `key` to `block`, which holds the positions of `tokens` after the prefix
+        `parent` names, final; False where another block holds that prefix already or this
+        one is registered under another key."""
         if key in self.block_of or block in self.key_of:
             return False
         self.block_of[key] = block
         self.key_of[block] = key
+        self.parent_of[block] = parent
+        self.children.setdefault(parent, {})[block] = tokens
         return True
+
+    def _unregister(self, block: int) -> None:
+        del self.block_of[self.key_of.pop(block)]
+        parent = self.parent_of.pop(block)
+        siblings = self.children[parent]
+        del siblings[block]
+        if not siblings:
+            del self.children[parent]
 
     def forget(self, block: int) -> None:
         """Unregister `block` (its content is about to change)."""
-        key = self.key_of.pop(block, None)
-        if key is not None:
-            del self.block_of[key]
+        if block in self.key_of:
+            self._unregister(block)
             if self.refs[block] == 0:
                 del self.lru[block]
                 heapq.heappush(self.free, block)
@@ -111,6 +126,9 @@ class BlockPool:
         if key is not None:
             self.key_of[dst] = key
             self.block_of[key] = dst
+            parent = self.parent_of[dst] = self.parent_of.pop(src)
+            siblings = self.children[parent]
+            siblings[dst] = siblings.pop(src)
             if src in self.lru:
                 del self.lru[src]
                 self.lru[dst] = None

@@ -220,13 +220,10 @@ class KVArena:
 
     def _copy(self, name: str, block: int) -> int:
         """A private copy of `block` for the writer (copy on write): a shared block keeps
-        its other holders; a registered one its key."""
+        its other holders, a registered one its key and content."""
         group = self.groups[name]
         pool = group.blocks
-        if pool.refs[block] == 1:  # held by the writer alone, but registered: forget it
-            pool.forget(block)
-            return block
-        fresh = pool.take()
+        fresh = pool.take()  # `block` is held: never the one evicted
         for k, v in zip(group.k, group.v):
             k[fresh] = k[block]
             v[fresh] = v[block]

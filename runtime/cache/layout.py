@@ -190,6 +190,6 @@ def plan_layout(plan: MemoryPlan, specs: list[ModelSpec] | None = None,
     if specs is None:
         specs = [ModelSpec(p.role, p.num_layers, 1, p.num_kv_heads, p.head_dim, 1, p.dtype, (),
                       "", "", (), ()) for p in plan.pools]
-    roles = {p.role for p in plan.pools}
-    return arena_layout([s for s in specs if s.role in roles], budget, plan.block_size,
-                        plan.max_seq_len, kv_dtype, windowed)
+    by_role = {s.role: s for s in specs}
+    return arena_layout([by_role[p.role] for p in plan.pools if p.role in by_role], budget,
+                        plan.block_size, plan.max_seq_len, kv_dtype, windowed)

@@ -47,12 +47,25 @@ class KVCache:
             ahead = 0
             for table in self.arena.tables.values():
                 if table.promised < UNBOUNDED:
-                    live = sum(1 for b in table.blocks[name] if b != NO_BLOCK)
+                    blocks = table.blocks[name]
+                    live = sum(1 for b in blocks if b != NO_BLOCK)
                     ahead += max(0, layout.seq_blocks(table.promised, flight) - live)
+                    ahead += self._copies(name, blocks, table.length(layout.role))
             need = layout.seq_blocks(promised, flight) - found.held(self.arena, name)
+            need += self._copies(name, found.blocks.get(name, []),
+                                 found.positions.get(layout.role, 0))
             if group.blocks.held + ahead + need > layout.num_blocks:
                 return False
         return True
+
+    def _copies(self, name: str, blocks: list[int], length: int) -> int:
+        """1 when the next write lands in a block the sequence must copy first (shared or
+        registered, partly filled: a fork's, a partial prefix match's), else 0."""
+        at = length // self.arena.block_size
+        if not length % self.arena.block_size or at >= len(blocks) or blocks[at] == NO_BLOCK:
+            return 0
+        pool = self.arena.groups[name].blocks
+        return int(pool.refs[blocks[at]] > 1 or blocks[at] in pool.key_of)
 
     def room(self, seq: Sequence) -> int:
         """Positions `seq` may fill in any model's cache (its reservation)."""
@@ -63,7 +76,7 @@ class KVCache:
     def commit(self, seq: Sequence, role: str, final: int) -> None:
         self.prefix.commit(seq.id, role, seq.tokens, final)
 
-    def release(self, seq_id: int) -> None:
-        if seq_id in self.arena.tables:
-            self.arena.release(seq_id)
-        self.prefix.forget(seq_id)
+    def release(self, seq: Sequence) -> None:
+        """`seq` ends: its blocks go back, its partly filled last ones kept in the prefix
+        cache (unless it failed)."""
+        self.prefix.release(seq.id, seq.tokens, None if seq.error else seq.main_cached)

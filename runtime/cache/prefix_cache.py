@@ -1,17 +1,23 @@
-"""Automatic prefix caching: the KV of a prompt's full blocks is computed once.
+"""Automatic prefix caching: the KV of a prompt's cached prefix is not computed again.
 
 Every full block of a sequence's tokens has a key: the SHA-256 of its parent's key and
 its own token ids, so a key names the whole prefix up to the block's end, and the block's
 positions with it (vLLM's scheme; docs/runtime.md says why not a radix tree). When a
 model's positions below `final` are final (after each verify), its full blocks below it
-are registered in each of the model's groups under their keys (`commit`). A new sequence
-looks its prompt's keys up (`find`): the longest run of blocks every group of the main
-model has, where a window group needs only the blocks its window reads at the hit's end
-(a block that has left a window is not needed, one it still reads must be there). At
-least one prompt token is always left to compute: its logits start the output. A draft
-model with its own cache finds its own run, no longer than the main's; it catches up on
-the rest. A model whose positions are not the main's tokens (a draft with a token map) is
-not cached.
+are registered in each of the model's groups under their keys (`commit`); when a sequence
+ends, its last, partly filled block too (`release`), under a key of its own. Each
+registered block is also listed under its parent with the tokens it holds.
+
+A new sequence looks its prompt's keys up (`find`): the longest run of blocks every group
+of the main model has, where a window group needs only the blocks its window reads at the
+run's end (a block that has left a window is not needed, one it still reads must be
+there). Then, among the blocks registered under the run's last key, the one that shares
+the most tokens with what follows in the prompt: its first tokens are taken too (a
+conversation's last turn, a shared system prompt's last block), and the block is copied
+before the sequence writes into it. At least one prompt token is always left to compute:
+its logits start the output. A draft model with its own cache finds its own run, no
+longer than the main's, and catches up on the rest. A model whose positions are not the
+main's tokens (a draft with a token map) is not cached.
 """
 
 from __future__ import annotations
@@ -31,6 +37,21 @@ def extend_keys(keys: list[bytes], tokens: list[int], blocks: int, block_size: i
         i = len(keys)
         chunk = array("q", tokens[i * block_size:(i + 1) * block_size]).tobytes()
         keys.append(hashlib.sha256((keys[-1] if keys else ROOT) + chunk).digest())
+
+
+def partial_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    """The key of a partly filled last block: its parent and its tokens, marked apart from
+    any full block's."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes() + b"partial").digest()
+
+
+def _shared(a: tuple[int, ...], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass(frozen=True)
@@ -63,13 +84,17 @@ class PrefixCache:
         bs = self.arena.block_size
         extend_keys(keys, tokens, (len(tokens) - 1) // bs, bs)
         positions, blocks = {}, {}
-        limit = len(keys)
+        limit = len(tokens) - 1  # positions a model may find: the main's, for a draft
         for role in self.roles:
-            count = self._run(role, keys[:limit])
-            positions[role] = count * bs
+            count = self._run(role, keys[:limit // bs])
             for name in self.arena.role_groups(role):
                 blocks[name] = self._blocks(name, keys[:count])
-            limit = min(limit, count)  # a draft's run is no longer than the main's
+            parent = keys[count - 1] if count else ROOT
+            taken, partial = self._partial(role, parent, tokens[count * bs:limit])
+            for name, block in partial.items():
+                blocks[name].append(block)
+            positions[role] = count * bs + taken
+            limit = min(limit, positions[role])
         return Found(positions, blocks)
 
     def _run(self, role: str, keys: list[bytes]) -> int:
@@ -86,6 +111,22 @@ class PrefixCache:
                                 if g.layout.window):
             count -= 1
         return count
+
+    def _partial(self, role: str, parent: bytes, following: list[int]
+                 ) -> tuple[int, dict[str, int]]:
+        """After the block run ending at `parent`: how many of the `following` tokens a
+        registered child block of every group of `role` holds, and those blocks."""
+        taken, chosen = len(following), {}
+        for name in self.arena.role_groups(role):
+            children = self.arena.groups[name].blocks.children.get(parent, {})
+            best, block = 0, NO_BLOCK
+            for child, held in children.items():
+                n = _shared(held, following)
+                if n > best:
+                    best, block = n, child
+            taken = min(taken, best)
+            chosen[name] = block
+        return (taken, chosen) if taken else (0, {})
 
     def _window_holds(self, group, keys: list[bytes], count: int) -> bool:
         return all(keys[i] in group.blocks.block_of
@@ -112,8 +153,10 @@ class PrefixCache:
         table = self.arena.tables[seq_id]
         for role, positions in found.positions.items():
             table.lengths[role] = positions
-        main = found.positions.get(self.roles[0], 0) if self.roles else 0
-        self.hit += main
+        self.hit += found.positions.get(self.roles[0], 0) if self.roles else 0
+
+    def _caches(self, seq_id: int, role: str) -> bool:
+        return self.enabled and role in self.roles and seq_id not in self.private
 
     def commit(self, seq_id: int, role: str, tokens: list[int], final: int) -> None:
         """Positions below `final` of `role` are final: register its full blocks there,
@@ -121,7 +164,7 @@ class PrefixCache:
         table = self.arena.tables.get(seq_id)
         if table is None:
             return
-        if self.enabled and role in self.roles and seq_id not in self.private:
+        if self._caches(seq_id, role):
             bs = self.arena.block_size
             full = min(final, len(tokens)) // bs
             extend_keys(table.keys, tokens, full, bs)
@@ -129,12 +172,37 @@ class PrefixCache:
                 pool, blocks = self.arena.groups[name].blocks, table.blocks[name]
                 for i in range(table.sealed.get(name, 0), min(full, len(blocks))):
                     if blocks[i] != NO_BLOCK:
-                        pool.register(blocks[i], table.keys[i])
+                        pool.register(blocks[i], table.keys[i],
+                                      table.keys[i - 1] if i else ROOT,
+                                      tuple(tokens[i * bs:(i + 1) * bs]))
                 table.sealed[name] = max(table.sealed.get(name, 0), full)
         self.arena.trim(seq_id, role, final)
 
-    def forget(self, seq_id: int) -> None:
+    def release(self, seq_id: int, tokens: list[int], final: int | None) -> None:
+        """The sequence ends: its blocks go back to the arena, its partly filled last ones
+        registered first (no model's positions past `final`, the main's final length;
+        None: nothing is registered, a sequence that failed)."""
+        table = self.arena.tables.get(seq_id)
+        if table is None:
+            return
+        bs = self.arena.block_size
+        for role in self.roles if final is not None else ():
+            if not self._caches(seq_id, role):
+                continue
+            final = min(table.length(role), final, len(tokens) - 1)
+            full = final // bs
+            extend_keys(table.keys, tokens, full, bs)
+            if final % bs == 0 or len(table.keys) < full:
+                continue
+            parent = table.keys[full - 1] if full else ROOT
+            held = tuple(tokens[full * bs:final])
+            for name in self.arena.role_groups(role):
+                blocks = table.blocks[name]
+                if full < len(blocks) and blocks[full] != NO_BLOCK:
+                    self.arena.groups[name].blocks.register(
+                        blocks[full], partial_key(parent, held), parent, held)
         self.private.discard(seq_id)
+        self.arena.release(seq_id)
 
     @property
     def hit_rate(self) -> float:

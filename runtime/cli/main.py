@@ -178,7 +178,7 @@ def generate(model: Path, prompt, prompt_ids, chat, max_tokens: int, temperature
 
     grammar = _schema_grammar(schema_path) if schema_path is not None else None
     engine, tokenizer = load_engine(model, window, policy=policy, config=config_path,
-                                    device=device, kv=kv, max_batch=1)
+                                    device=device, kv=kv)
     ids = _prompt_ids(tokenizer, prompt, prompt_ids, chat)
     if grammar is not None:
         if engine.grammars is None:

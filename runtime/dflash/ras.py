@@ -21,6 +21,7 @@ from dspark.runtime.bundle.config import ResourceConfig, ResourceRow
 
 HYSTERESIS = 0.10
 KV_SEQUENCES = 2  # worst-case sequences per max_batch slot the default arena holds
+WARMUP_SEQUENCES = 10  # the warm-up's probe sequences (model/profile.py), each up to one
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,10 @@ def available_bytes(device=None) -> int:
 
 def kv_budget(config: ResourceConfig, per_seq: int, max_batch: int, available: int) -> int:
     """The KV arena's bytes where no flag sets them: twice `max_batch` sequences of
-    `per_seq` bytes (full length; the second half keeps cached prefixes), within
-    `kv_memory_fraction` of `available`, and never less than one sequence."""
-    want = KV_SEQUENCES * max_batch * per_seq
+    `per_seq` bytes (full length; the second half keeps cached prefixes), at least the
+    warm-up's probes, within `kv_memory_fraction` of `available`, and never less than one
+    sequence."""
+    want = max(KV_SEQUENCES * max_batch, WARMUP_SEQUENCES) * per_seq
     if available > 0:
         want = min(want, int(config.kv_memory_fraction * available))
     return max(per_seq, want)

@@ -65,14 +65,17 @@ class Engine:
                  config: DFlashConfig | None = None, device: str = "auto",
                  kernels: bool = False, grammars: GrammarBook | None = None,
                  kv_budget: int | str | None = None, kv_dtype: str | None = None,
-                 prefix_cache: bool = True, max_seq_len: int | None = None):
+                 prefix_cache: bool = True, max_seq_len: int | None = None,
+                 windowed_kv: bool = True):
         """device: auto, cpu or cuda (model/device.py). kernels: on the CPU, run the DSpark
         Triton kernels under Triton's interpreter instead of the numpy attention (tests).
         grammars: the bundle tokenizer for requests with a grammar (structured output).
         kv_budget: the KV arena's bytes (default: the bundle's plan; "auto": RAS sizes it
         from the memory available, dflash/ras.py); kv_dtype: its values' type (default:
         each model's own); prefix_cache: keep prompts' KV for later ones; max_seq_len: the
-        longest sequence served (default and most: the bundle's)."""
+        longest sequence served (default and most: the bundle's); windowed_kv=False keeps
+        sliding-window layers' blocks with the others (every position held, as before KV
+        groups: for measurements)."""
         self.bundle = bundle
         self.config: DFlashConfig = config or bundle.config
         self.costs = CostModel()
@@ -81,12 +84,13 @@ class Engine:
         if kv_dtype not in (None, "float32") and self.device.type == "cuda":
             raise DSparkError(f"--kv-cache-dtype {kv_dtype} runs on the CPU; on a GPU the "
                               "cache keeps the model's own dtype")
-        layout = kv_layout(bundle, self.shared_kv, None, kv_dtype, max_seq_len)
+        layout = kv_layout(bundle, self.shared_kv, None, kv_dtype, max_seq_len, windowed_kv)
         if kv_budget == "auto":
             kv_budget = kv_budget_for(self.config.resources, layout.bytes_per_seq, max_batch,
                                       available_bytes(self.device))
         if kv_budget is not None:
-            layout = kv_layout(bundle, self.shared_kv, kv_budget, kv_dtype, max_seq_len)
+            layout = kv_layout(bundle, self.shared_kv, kv_budget, kv_dtype, max_seq_len,
+                               windowed_kv)
         self.arena = KVArena(layout, device=self.device)
         self.arena.zero_rejected = self.config.cache_health.zero_rejected_slots
         self.main = ModelRunner(bundle, "main", self.arena, self.costs, kernels=kernels)
@@ -258,7 +262,7 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         if seq.id in self.arena.tables:
-            self.kv.release(seq.id)
+            self.kv.release(seq)
             self.planner.forget(seq)
             self.drafting.release(seq)
 
@@ -350,7 +354,8 @@ def cached_roles(bundle: Bundle, shared: frozenset[str]) -> tuple[str, ...]:
 
 
 def kv_layout(bundle: Bundle, shared: frozenset[str], budget: int | None,
-              kv_dtype: str | None, max_seq_len: int | None = None) -> ArenaLayout:
+              kv_dtype: str | None, max_seq_len: int | None = None, windowed: bool = True
+              ) -> ArenaLayout:
     """The arena's groups for the models that keep a cache (a draft reading the main's
     keeps none: its share of the budget goes to the others)."""
     plan = bundle.plan
@@ -359,4 +364,4 @@ def kv_layout(bundle: Bundle, shared: frozenset[str], budget: int | None,
                           f"{plan.max_seq_len}] (the bundle's; dsc compile --max-seq-len)")
     specs = [bundle.model(p.role) for p in plan.pools if p.role not in shared]
     return arena_layout(specs, budget or plan.budget_bytes, plan.block_size,
-                        max_seq_len or plan.max_seq_len, kv_dtype)
+                        max_seq_len or plan.max_seq_len, kv_dtype, windowed)
