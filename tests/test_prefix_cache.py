@@ -422,12 +422,13 @@ def test_a_mapped_draft_is_not_cached_and_output_is_unchanged(tmp_path):
     """A draft with a token map keeps its own positions: the main's prefix is found, the
     draft reads the prompt again (nothing of its own is cached), and the output is the
     original's greedy tokens either way."""
-    from bundle_cache import compiled as compile_bundle
     from conftest import BUILD
-    from model_fixtures import build_mapped_pair
 
     from dspark.compiler.compile import CompileOptions
     from dspark.compiler.reference import OriginalModel
+
+    from bundle_cache import compiled as compile_bundle
+    from model_fixtures import build_mapped_pair
 
     mapped = build_mapped_pair(BUILD)
     out = tmp_path / "mapped.dsmodel"
