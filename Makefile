@@ -132,6 +132,12 @@ benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmark
 	    --json > $(REPORTS)/q4_bench_avx2.json
 	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/dsrun bench $(Q4BENCH) \
 	    --background-load --json > $(REPORTS)/q4_bench_avx2_loaded.json
+	$(BIN)/python samples/bench_multi_turn.py --json $(REPORTS)/multi_turn.json
+	$(BIN)/python samples/bench_prefix_lookup.py --json $(REPORTS)/prefix_lookup.json
+	$(BIN)/dsc compile $(GEMMA)/main.onnx $(GEMMA)/draft.onnx -o build/gemma3-8k.dsmodel \
+	    --max-seq-len 8192 --force
+	$(BIN)/python samples/kv_bytes.py --bundle build/gemma3-8k.dsmodel --tokens 8192 \
+	    --json $(REPORTS)/kv_bytes_gemma3.json
 	$(BIN)/python samples/int8_sample.py
 	$(BIN)/dsrun bench --model build/smollm2-q8.dsmodel --prompts samples/prompts/peer_prompts.jsonl \
 	    --max-tokens 128 --repeats 4 --json > $(REPORTS)/q8_bench.json

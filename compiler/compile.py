@@ -25,6 +25,7 @@ from dspark.runtime.bundle.config_schema import config_schema
 from dspark.runtime.bundle.manifest import Manifest
 from dspark.runtime.bundle.memory_plan import plan_memory
 from dspark.runtime.bundle.token_map import TOKEN_MAP_FILE, TokenMap
+from dspark.runtime.cache.layout import seq_bytes
 from dspark.runtime.errors import DSparkError, ModelInputError
 from dspark.runtime.version import BUNDLE_FORMAT_VERSION, __version__
 
@@ -145,8 +146,10 @@ def compile_bundle(opts: CompileOptions, progress: Progress) -> Manifest:
             _check_map(mapping, opts, vocab)
             (tmp / TOKEN_MAP_FILE).write_bytes(dump_json(mapping.to_json()))
         with progress.stage("layout"):
-            plan = plan_memory([specs[r] for r in opts.roles], int(opts.kv_budget_mb * 2**20),
-                               opts.block_size, opts.max_seq_len)
+            models = [specs[r] for r in opts.roles]
+            plan = plan_memory(models, int(opts.kv_budget_mb * 2**20), opts.block_size,
+                               opts.max_seq_len, seq_bytes(models, opts.block_size,
+                                                           opts.max_seq_len))
             (tmp / MEMORY_PLAN_FILE).write_bytes(dump_json(plan.to_dict()))
         with progress.stage("kernels"):
             kernels = build_kernels(specs, plan, tmp, Path(work), progress, opts.aot)

@@ -14,6 +14,7 @@ prompt, and the forward time of the partial last block a warm turn computes agai
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -55,22 +56,36 @@ def forward_ms(engine, cached: int, new: int, repeats: int) -> list[float]:
 
 def main() -> None:
     from bench_peers import cpu_line
+    from revision import revision
 
     from dspark.runtime.engine.loader import load_engine
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bundle", type=Path, default=ROOT / "build" / "smollm2-4k.dsmodel")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json", type=Path)
     args = p.parse_args()
+    measured = revision()
     engine, _ = load_engine(args.bundle, watch=False)
-    print(cpu_line())
-    for n in (500, 1300, 2800):
-        print(f"keys + lookup, {n}-token prompt, all cached: "
-              f"{lookup_us(engine, n, args.repeats):.0f} us")
+    lookups = {n: lookup_us(engine, n, args.repeats) for n in (500, 1300, 2800)}
     full, partial = forward_ms(engine, 1300, (40, 48), args.repeats)
-    print(f"forward after 1300 cached tokens: 40 new {full:.1f} ms, 48 new {partial:.1f} ms: "
-          f"the average partial block (8 tokens) costs {partial - full:.1f} ms "
-          f"({(partial - full) / full:.0%} of the turn's forward)")
+    report = {"cpu": cpu_line(), "revision": measured, "lookup_us": lookups,
+              "forward_ms": {"40": full, "48": partial}}
+    print("\n".join([report["cpu"], *table(report)]))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+def table(report: dict) -> list[str]:
+    full, partial = report["forward_ms"]["40"], report["forward_ms"]["48"]
+    return ["| what | cost |", "|---|---|", *(
+        f"| keys and look-up, {n}-token prompt, every block cached | {us:.0f} us |"
+        for n, us in report["lookup_us"].items()),
+        f"| forward of 40 new tokens after 1300 cached | {full:.1f} ms |",
+        f"| forward of 48 new tokens after 1300 cached | {partial:.1f} ms |",
+        f"| the average partial block (8 tokens) a block-granular cache computes again | "
+        f"{partial - full:.1f} ms ({(partial - full) / full:.0%}) |"]
 
 
 if __name__ == "__main__":

@@ -45,20 +45,31 @@ def held_bytes(bundle: Path, tokens: int, windowed: bool, kv_dtype: str | None) 
 
 
 def main() -> None:
+    from bench_peers import cpu_line
+    from revision import revision
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bundle", type=Path, default=ROOT / "build" / "gemma3-8k.dsmodel")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    measured = revision()
     rows = {name: held_bytes(args.bundle, args.tokens - 1, windowed, dtype)
             for name, windowed, dtype in SETTINGS}
-    base = rows[SETTINGS[0][0]]["bytes"]
-    print(f"{args.bundle.name}, one sequence of {args.tokens} positions:")
-    print("| arena | KV MiB held | vs every position |\n|---|---|---|")
-    for name, row in rows.items():
-        print(f"| {name} | {row['bytes'] / 2**20:.1f} | {1 - row['bytes'] / base:.0%} less |")
+    report = {"cpu": cpu_line(), "revision": measured, "rows": rows,
+              "setup": f"{args.bundle.name}, one sequence of {args.tokens} positions"}
+    print("\n".join([report["setup"], "", *table(report)]))
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+def table(report: dict) -> list[str]:
+    rows = report["rows"]
+    base = rows[SETTINGS[0][0]]["bytes"]
+    return ["| arena | KV MiB held | vs every position |", "|---|---|---|", *(
+        f"| {name} | {row['bytes'] / 2**20:.1f} | {1 - row['bytes'] / base:.0%} less |"
+        for name, row in rows.items())]
 
 
 if __name__ == "__main__":

@@ -189,6 +189,17 @@ REPORTS = [
      "tokens taken from a cache; output tok/s of the whole workload. dsrun with its prefix "
      "cache and without (`--no-prefix-cache`), llama-server with `cache_prompt` on and as "
      "many slots as users at once; the same weights and the same conversations."),
+    ("prefix_lookup.json", "Prefix cache",
+     "python samples/bench_prefix_lookup.py --json build/reports/prefix_lookup.json",
+     "What a lookup costs, and what the last partial block of a prompt costs a warm turn "
+     "when it is computed again (the fp32 sample at 4096 positions): why the prefix cache "
+     "matches that block token by token (docs/runtime.md)."),
+    ("kv_bytes_gemma3.json", "KV memory one Gemma 3 sequence holds at 8192 positions",
+     "python samples/kv_bytes.py --bundle build/gemma3-8k.dsmodel --tokens 8192 "
+     "--json build/reports/kv_bytes_gemma3.json",
+     "The Gemma 3 sample compiled at 8192 positions (`dsc compile ... --max-seq-len 8192`): "
+     "15 of its 18 layers attend to a window of 512. One sequence is fed to its last "
+     "position and the blocks it holds are counted (a count, not a timing)."),
     ("gemma3_bench.json", "Gemma 3 270M: speculation against plain decoding",
      "dsrun bench --model build/gemma3.dsmodel --prompts samples/prompts/base_prompts.jsonl "
      "--repeats 2 --json > build/reports/gemma3_bench.json",
@@ -243,6 +254,18 @@ def multi_turn_table(report: dict) -> list[str]:
     return [report["setup"], "", *table(report)]
 
 
+def prefix_lookup_table(report: dict) -> list[str]:
+    from bench_prefix_lookup import table
+
+    return table(report)
+
+
+def kv_bytes_table(report: dict) -> list[str]:
+    from kv_bytes import table
+
+    return [report["setup"], "", *table(report)]
+
+
 TABLES = {"peers_greedy.json": peers_table, "peers_sampled.json": peers_table,
           "peers_loaded.json": peers_table, "peers_avx2.json": peers_table,
           "peers_loaded_avx2.json": peers_table, "peers_loaded_one.json": peers_table,
@@ -257,7 +280,8 @@ TABLES = {"peers_greedy.json": peers_table, "peers_sampled.json": peers_table,
           "int4_kernels.json": int4_table, "gemma3_bench.json": bench_table,
           "q4_bench.json": bench_table, "q4_bench_loaded.json": bench_table,
           "q4_bench_avx2.json": bench_table, "q4_bench_avx2_loaded.json": bench_table,
-          "q8_bench.json": bench_table, "multi_turn.json": multi_turn_table}
+          "q8_bench.json": bench_table, "multi_turn.json": multi_turn_table,
+          "prefix_lookup.json": prefix_lookup_table, "kv_bytes_gemma3.json": kv_bytes_table}
 
 
 def sections(page: str) -> dict[str, list[str]]:

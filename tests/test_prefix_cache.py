@@ -443,3 +443,22 @@ def test_a_mapped_draft_is_not_cached_and_output_is_unchanged(tmp_path):
     want = OriginalModel(mapped["main"]).greedy(list(prompt), 20)
     assert first.generated == want and second.generated == want
     assert second.stats.accepted_tokens > 0
+
+
+def test_window_groups_hold_a_windows_worth_through_a_long_prompt(compiled, fixture_pairs):
+    """An arena sized for one sequence whose sliding-window layers keep only what their
+    window (8) reads: a 230-token prompt fed 16 tokens a step, then 20 more tokens, fits
+    (the window group drops blocks as the prefill goes) and gives the original's tokens."""
+    from dspark.compiler.reference import OriginalModel
+
+    path = compiled[("gemma3", "classic")]
+    bundle = open_bundle(path)
+    probe = Engine(bundle, "fixed", 4, max_seq_len=256, prefill_tokens=16)
+    engine = Engine(bundle, "fixed", 4, max_batch=1, max_seq_len=256, prefill_tokens=16,
+                    kv_budget=probe.plan.bytes_per_seq)
+    window = next(g for g in engine.arena.layout.groups if g.window)
+    assert window.num_blocks < 256 // 16  # fewer blocks than the sequence's positions
+    prompt = [int(t) for t in np.random.default_rng(4).integers(3, 300, 230)]
+    [seq] = engine.generate([GenerationRequest(tuple(prompt), 20, method="draft")])
+    main = fixture_pairs[("gemma3", "classic")][0]
+    assert seq.generated == OriginalModel(main).greedy(prompt, 20)

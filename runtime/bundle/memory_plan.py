@@ -82,8 +82,10 @@ class MemoryPlan:
 
 
 def plan_memory(specs: list[ModelSpec], budget_bytes: int, block_size: int,
-                max_seq_len: int) -> MemoryPlan:
-    """Size the arena for a byte budget; refuse a budget that cannot hold one full sequence."""
+                max_seq_len: int, seq_bytes: int | None = None) -> MemoryPlan:
+    """Size the arena for a byte budget; refuse a budget that cannot hold one full sequence.
+    `seq_bytes`: what one sequence of max_seq_len needs (default: every position of every
+    layer; the runtime's window groups keep less, runtime/cache/layout.py)."""
     if block_size not in BLOCK_SIZES:
         raise DSparkError(f"--block-size must be one of {BLOCK_SIZES}, got {block_size}")
     if max_seq_len < 1:
@@ -91,11 +93,11 @@ def plan_memory(specs: list[ModelSpec], budget_bytes: int, block_size: int,
     per_block = sum(s.kv_bytes_per_token for s in specs) * block_size
     num_blocks = budget_bytes // per_block
     blocks_per_seq = math.ceil(max_seq_len / block_size)
-    if num_blocks < blocks_per_seq:
-        need_mb = blocks_per_seq * per_block / 2**20
+    need = seq_bytes if seq_bytes is not None else blocks_per_seq * per_block
+    if need > budget_bytes:
         raise DSparkError(
             f"--kv-budget-mb {budget_bytes / 2**20:g} is too small: one sequence of "
-            f"--max-seq-len {max_seq_len} needs {need_mb:.1f} MiB of KV cache"
+            f"--max-seq-len {max_seq_len} needs {need / 2**20:.1f} MiB of KV cache"
         )
     pools, offset = [], 0
     for s in specs:
@@ -104,5 +106,5 @@ def plan_memory(specs: list[ModelSpec], budget_bytes: int, block_size: int,
                           s.kv_bytes_per_token, offset, layer_bytes)
         pools.append(pool)
         offset += pool.nbytes
-    return MemoryPlan(block_size, num_blocks, max_seq_len, num_blocks // blocks_per_seq,
+    return MemoryPlan(block_size, num_blocks, max_seq_len, budget_bytes // need,
                       budget_bytes, tuple(pools))

@@ -85,6 +85,7 @@ class ArenaLayout:
     max_seq_len: int
     budget_bytes: int
     groups: tuple[GroupLayout, ...]
+    in_flight: int = IN_FLIGHT  # what the window groups were sized for beyond their window
 
     @property
     def total_bytes(self) -> int:
@@ -108,12 +109,14 @@ class ArenaLayout:
     @property
     def bytes_per_seq(self) -> int:
         """What one sequence of max_seq_len positions holds at most, every group."""
-        return sum(g.seq_blocks(self.max_seq_len) * g.block_bytes for g in self.groups)
+        return sum(g.seq_blocks(self.max_seq_len, self.in_flight) * g.block_bytes
+                   for g in self.groups)
 
     @property
     def max_seqs(self) -> int:
         """Sequences of max_seq_len the arena holds at once."""
-        return min(g.num_blocks // g.seq_blocks(self.max_seq_len) for g in self.groups)
+        return min(g.num_blocks // g.seq_blocks(self.max_seq_len, self.in_flight)
+                   for g in self.groups)
 
     @property
     def capacity_tokens(self) -> int:
@@ -130,10 +133,11 @@ class ArenaLayout:
     def resized(self, max_seq_len: int) -> ArenaLayout:
         """The same groups at another max sequence length (one sequence of it must fit)."""
         for g in self.groups:
-            if g.seq_blocks(max_seq_len) > g.num_blocks:
+            if g.seq_blocks(max_seq_len, self.in_flight) > g.num_blocks:
                 raise DSparkError(f"max_seq_len {max_seq_len} needs more blocks than the "
                                   f"arena's {g.num_blocks} in group {g.name}")
-        return ArenaLayout(self.block_size, max_seq_len, self.budget_bytes, self.groups)
+        return ArenaLayout(self.block_size, max_seq_len, self.budget_bytes, self.groups,
+                           self.in_flight)
 
 
 def _split(spec: ModelSpec, kv_dtype: str | None) -> list[tuple[int, tuple[int, ...], str]]:
@@ -146,11 +150,13 @@ def _split(spec: ModelSpec, kv_dtype: str | None) -> list[tuple[int, tuple[int, 
 
 def arena_layout(specs: list[ModelSpec], budget_bytes: int, block_size: int,
                  max_seq_len: int, kv_dtype: str | None = None,
-                 windowed: bool = True) -> ArenaLayout:
+                 windowed: bool = True, in_flight: int = IN_FLIGHT) -> ArenaLayout:
     """Size every group of `specs` (the models that keep a cache) for `budget_bytes`, each
     given the same number of worst-case sequences. `kv_dtype`: the cache's dtype (None: each
     model's own); `windowed=False` keeps sliding-window layers with the full ones (every
-    position kept, as a sequence's whole history)."""
+    position kept, as a sequence's whole history); `in_flight`: the most positions a
+    sequence writes in a step (the scheduler's), which a window group holds beyond its
+    window."""
     if block_size not in BLOCK_SIZES:
         raise DSparkError(f"--block-size must be one of {BLOCK_SIZES}, got {block_size}")
     if max_seq_len < 1:
@@ -165,7 +171,7 @@ def arena_layout(specs: list[ModelSpec], budget_bytes: int, block_size: int,
             shapes.append(GroupLayout(group_name(spec.role, window), spec.role, window, layers,
                                       spec.num_kv_heads, spec.head_dim, dtype, 0, 0,
                                       block_size))
-    per_seq = sum(g.seq_blocks(max_seq_len) * g.block_bytes for g in shapes)
+    per_seq = sum(g.seq_blocks(max_seq_len, in_flight) * g.block_bytes for g in shapes)
     if per_seq > budget_bytes:
         raise DSparkError(
             f"the KV budget {budget_bytes / 2**20:g} MiB is too small: one sequence of "
@@ -173,12 +179,19 @@ def arena_layout(specs: list[ModelSpec], budget_bytes: int, block_size: int,
             "(--kv-cache-memory, --max-seq-len)")
     groups, offset = [], 0
     for g in shapes:
-        share = g.seq_blocks(max_seq_len) * g.block_bytes / per_seq
-        blocks = max(g.seq_blocks(max_seq_len), math.floor(budget_bytes * share / g.block_bytes))
+        need = g.seq_blocks(max_seq_len, in_flight)
+        blocks = max(need, math.floor(budget_bytes * need * g.block_bytes / per_seq
+                                      / g.block_bytes))
         groups.append(GroupLayout(g.name, g.role, g.window, g.layers, g.num_kv_heads,
                                   g.head_dim, g.dtype, blocks, offset, block_size))
         offset += groups[-1].nbytes
-    return ArenaLayout(block_size, max_seq_len, budget_bytes, tuple(groups))
+    return ArenaLayout(block_size, max_seq_len, budget_bytes, tuple(groups), in_flight)
+
+
+def seq_bytes(specs: list[ModelSpec], block_size: int, max_seq_len: int) -> int:
+    """What one sequence of `max_seq_len` positions holds at most in the arena of `specs`
+    (their window groups trimmed)."""
+    return arena_layout(specs, 1 << 62, block_size, max_seq_len).bytes_per_seq
 
 
 def plan_layout(plan: MemoryPlan, specs: list[ModelSpec] | None = None,

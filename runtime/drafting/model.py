@@ -161,6 +161,7 @@ class ModelDrafter:
                 for p in pieces:
                     cache.offsets.append(cache.offsets[-1] + len(p))
                 cache.cached += len(pieces)
+                self._commit(w.seq, cache)
                 if not row or not draw(w, out[-1], tmap):
                     w.window = len(w.state)  # catching up, or an unmapped token: stop
             if runner.costs is not None:  # a draft costs its forward and its draw
@@ -187,9 +188,12 @@ class ModelDrafter:
             del cache.offsets[valid + 1:]
             if cache.role not in self.shared:  # the main rolls its own cache back
                 self.arena.rollback(seq.id, self.runners[cache.role].pool, cache.offsets[-1])
+        self._commit(seq, cache)
+
+    def _commit(self, seq: Sequence, cache: DraftCache) -> None:
+        """A draft with a cache of its own: what it read of the sequence's tokens is final
+        but the last (a re-read of it rewrites it)."""
         if self.commit is not None and cache.role not in self.shared:
-            # final: what it read of the sequence's tokens, but the last (a re-read of it
-            # rewrites it)
             read = cache.offsets[min(cache.cached, len(seq.tokens))]
             self.commit(seq, self.runners[cache.role].pool, read - 1)
 

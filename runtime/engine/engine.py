@@ -24,7 +24,7 @@ import numpy as np
 from dspark.runtime.bundle.bundle import Bundle
 from dspark.runtime.bundle.config import DFlashConfig
 from dspark.runtime.cache.kv_arena import KVArena
-from dspark.runtime.cache.layout import ArenaLayout, arena_layout
+from dspark.runtime.cache.layout import IN_FLIGHT, ArenaLayout, arena_layout
 from dspark.runtime.cache.manager import KVCache
 from dspark.runtime.cache.prefix_cache import PrefixCache
 from dspark.runtime.dflash.che import CacheHealth
@@ -41,7 +41,7 @@ from dspark.runtime.engine.acceptance import Acceptance, accept
 from dspark.runtime.engine.emit import emit
 from dspark.runtime.engine.planner import WindowPlanner
 from dspark.runtime.engine.round_plan import RoundPlan, Slot
-from dspark.runtime.engine.scheduler import Scheduler
+from dspark.runtime.engine.scheduler import Scheduler, in_flight
 from dspark.runtime.engine.snapshot import EngineGauges, RoundRecord, StepReport
 from dspark.runtime.env import read_env
 from dspark.runtime.errors import DSparkError, RequestError
@@ -84,13 +84,15 @@ class Engine:
         if kv_dtype not in (None, "float32") and self.device.type == "cuda":
             raise DSparkError(f"--kv-cache-dtype {kv_dtype} runs on the CPU; on a GPU the "
                               "cache keeps the model's own dtype")
-        layout = kv_layout(bundle, self.shared_kv, None, kv_dtype, max_seq_len, windowed_kv)
+        flight = in_flight(prefill_tokens or self.config.scheduling.prefill_chunk_tokens)
+        layout = kv_layout(bundle, self.shared_kv, None, kv_dtype, max_seq_len, windowed_kv,
+                           flight)
         if kv_budget == "auto":
             kv_budget = kv_budget_for(self.config.resources, layout.bytes_per_seq, max_batch,
                                       available_bytes(self.device))
         if kv_budget is not None:
             layout = kv_layout(bundle, self.shared_kv, kv_budget, kv_dtype, max_seq_len,
-                               windowed_kv)
+                               windowed_kv, flight)
         self.arena = KVArena(layout, device=self.device)
         self.arena.zero_rejected = self.config.cache_health.zero_rejected_slots
         self.main = ModelRunner(bundle, "main", self.arena, self.costs, kernels=kernels)
@@ -222,6 +224,7 @@ class Engine:
         self.scheduler.account(seq, slot.chunk + slot.verify)
         if not len(logits):  # a prompt chunk: the cache grew, nothing to emit yet
             seq.main_cached += slot.chunk
+            self.kv.commit(seq, "main", seq.main_cached)
             return None
         pending = slot.pending
         sources = tuple(pending.sources[:slot.verify])
@@ -354,8 +357,8 @@ def cached_roles(bundle: Bundle, shared: frozenset[str]) -> tuple[str, ...]:
 
 
 def kv_layout(bundle: Bundle, shared: frozenset[str], budget: int | None,
-              kv_dtype: str | None, max_seq_len: int | None = None, windowed: bool = True
-              ) -> ArenaLayout:
+              kv_dtype: str | None, max_seq_len: int | None = None, windowed: bool = True,
+              flight: int = IN_FLIGHT) -> ArenaLayout:
     """The arena's groups for the models that keep a cache (a draft reading the main's
     keeps none: its share of the budget goes to the others)."""
     plan = bundle.plan
@@ -364,4 +367,4 @@ def kv_layout(bundle: Bundle, shared: frozenset[str], budget: int | None,
                           f"{plan.max_seq_len}] (the bundle's; dsc compile --max-seq-len)")
     specs = [bundle.model(p.role) for p in plan.pools if p.role not in shared]
     return arena_layout(specs, budget or plan.budget_bytes, plan.block_size,
-                        max_seq_len or plan.max_seq_len, kv_dtype, windowed)
+                        max_seq_len or plan.max_seq_len, kv_dtype, windowed, flight)

@@ -24,6 +24,12 @@ from dspark.runtime.errors import ConflictError
 from dspark.runtime.sequence.request import Sequence
 
 
+def in_flight(prefill_tokens: int) -> int:
+    """The most positions a sequence writes in one step: a prompt chunk, or a verify window
+    (64 drafts at most) with the draft's own writes past it."""
+    return max(prefill_tokens, 64) + 2
+
+
 class Scheduler:
     def __init__(self, kv: KVCache, config: DFlashConfig, max_batch: int,
                  prefill_tokens: int | None = None):
@@ -113,9 +119,7 @@ class Scheduler:
 
     @property
     def in_flight(self) -> int:
-        """The most positions a sequence writes in one step: a prompt chunk, or a verify
-        window (64 drafts at most) with the draft's own writes past it."""
-        return max(self.prefill_tokens, 64) + 2
+        return in_flight(self.prefill_tokens)
 
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:
