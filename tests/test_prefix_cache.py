@@ -462,3 +462,19 @@ def test_window_groups_hold_a_windows_worth_through_a_long_prompt(compiled, fixt
     [seq] = engine.generate([GenerationRequest(tuple(prompt), 20, method="draft")])
     main = fixture_pairs[("gemma3", "classic")][0]
     assert seq.generated == OriginalModel(main).greedy(prompt, 20)
+
+
+def test_n_choices_compute_their_prompt_once(compiled):
+    """Four choices of one prompt: the first computes it, the others wait for it and find
+    it cached (all but its last partly filled block, which the first is still writing),
+    each sampling its own output with its own seed."""
+    engine = Engine(open_bundle(compiled[("llama", "classic")]), "fixed", 4, max_batch=8)
+    prompt = tuple(SYSTEM)
+    seqs = engine.submit_group([GenerationRequest(prompt, 10, SamplingParams(1.0, seed=s))
+                                for s in range(4)])
+    while engine.busy:
+        engine.step()
+    assert seqs[0].cached_tokens == 0
+    assert all(s.cached_tokens == 32 for s in seqs[1:])  # 45 tokens: 2 full blocks
+    assert len({tuple(s.generated) for s in seqs}) > 1
+    assert engine.kv.prefix.hit == 3 * 32

@@ -7,6 +7,7 @@ renders it, and encoded without adding special tokens (the template writes them)
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -18,6 +19,20 @@ from dspark.runtime.errors import DSparkError
 
 def _raise(message: str) -> None:
     raise TemplateError(message)
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable character for each byte, inverted (byte-level BPE vocabularies)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+            *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
 
 
 class BundleTokenizer:
@@ -55,6 +70,28 @@ class BundleTokenizer:
             eos = config.get("eos_token_id") if isinstance(config, dict) else None
             found |= set(eos) if isinstance(eos, list) else {eos} if isinstance(eos, int) else set()
         return found
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether the tokenizer spells bytes as GPT-2's printable characters (ByteLevel)."""
+        return '"ByteLevel"' in json.dumps(json.loads(self.tokenizer.to_str()).get("decoder"))
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (OpenAI's logprobs `bytes`): a byte-level BPE's
+        characters mapped back to bytes, a SentencePiece byte-fallback token its byte, its
+        word marker a space; otherwise its decoded text."""
+        piece = self.tokenizer.id_to_token(token)
+        if piece is None:
+            return b""
+        if self._byte_level:
+            table = _byte_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        if "\u2581" in piece:
+            return piece.replace("\u2581", " ").encode()
+        return self.tokenizer.decode([token], skip_special_tokens=False).encode()
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=special).ids

@@ -30,7 +30,9 @@ class KVCache:
         """Add `seq` to the arena with its cached prefix held, if its worst case fits."""
         use = seq.request.cache_prompt
         keys: list[bytes] = []
-        found = self.prefix.find(seq.tokens, keys) if use else Found()
+        # an echo request scores every prompt token: its rows are computed, not found
+        found = (self.prefix.find(seq.tokens, keys) if use and not seq.request.echo
+                 else Found())
         promised = seq.prompt_len + seq.request.max_tokens
         if not self.fits(promised, found):
             return False

@@ -203,8 +203,12 @@ class ModelDrafter:
 
 def draw(w: DraftWork, logits: np.ndarray, tmap: TokenMap | None) -> bool:
     """Append one draft token (greedy, or sampled from the processed q) as a main id;
-    False when the draft's token has no main equivalent (the window ends)."""
+    False when the draft's token has no main equivalent (the window ends). The request's
+    logits processors shape the draft's row as they shape the main's (not through a token
+    map: its rows are in the draft's ids)."""
     seq, params = w.seq, w.seq.request.sampling
+    if seq.processors is not None and tmap is None:  # propose from what the main will score
+        logits = seq.processors.row(logits, w.state.tokens)
     if params.greedy:
         token = int(logits.argmax())
         q = None

@@ -87,17 +87,25 @@ class LazyRows:
         return self.rows[i]
 
 
-def accept(seq: Sequence, pending: DraftState, k: int, logits: np.ndarray) -> Acceptance:
-    """A sequence's round: greedy takes the exact-match rule, sampling rejection sampling
-    against the drafts' proposals q; a grammar masks each row first (runtime/grammar)."""
+def scored_rows(seq: Sequence, drafts: list[int], logits: np.ndarray):
+    """The rows a round's tokens are chosen from: the main model's logits, row i processed
+    as if drafts[:i] were accepted (the request's processors, then a grammar's mask),
+    each computed when first read (runtime/sequence/processors.py, runtime/grammar)."""
+    rows = logits
+    if seq.processors is not None:
+        rows = seq.processors.rows(rows, drafts)
+    if seq.constraint is not None:
+        rows = seq.constraint.rows(rows, drafts)
+    return rows
+
+
+def accept(seq: Sequence, pending: DraftState, k: int, rows) -> Acceptance:
+    """A sequence's round over its scored rows: greedy takes the exact-match rule,
+    sampling rejection sampling against the drafts' proposals q."""
     params, drafts = seq.request.sampling, pending.tokens[:k]
-    if seq.constraint is None:
-        if params.greedy:
-            return accept_greedy(drafts, logits)
-        rows = logits
-    else:  # each row masked by the grammar, on demand (runtime/grammar)
-        rows = seq.constraint.rows(logits, drafts)
-        if params.greedy:
-            return accept_greedy_rows(drafts, rows)
+    if params.greedy:
+        if isinstance(rows, np.ndarray):
+            return accept_greedy(drafts, rows)
+        return accept_greedy_rows(drafts, rows)
     p = LazyRows(lambda i: probabilities(rows[i], params))
     return accept_sampled(drafts, pending.q[:k], p, seq.rng)

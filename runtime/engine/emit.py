@@ -18,6 +18,8 @@ def emit(seq: Sequence, tokens: list[int], eos_ids: frozenset[int],
             seq.finish_reason = "stop"
             return
         seq.tokens.append(token)
+        if seq.processors is not None:
+            seq.processors.emit([token])
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
             seq.first_token_step = step

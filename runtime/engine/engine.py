@@ -24,7 +24,7 @@ import numpy as np
 from dspark.runtime.bundle.bundle import Bundle
 from dspark.runtime.bundle.config import DFlashConfig
 from dspark.runtime.cache.kv_arena import KVArena
-from dspark.runtime.cache.layout import IN_FLIGHT, ArenaLayout, arena_layout
+from dspark.runtime.cache.layout import ArenaLayout
 from dspark.runtime.cache.manager import KVCache
 from dspark.runtime.cache.prefix_cache import PrefixCache
 from dspark.runtime.dflash.che import CacheHealth
@@ -37,8 +37,10 @@ from dspark.runtime.drafting.base import Drafting
 from dspark.runtime.drafting.hybrid import HybridDrafter
 from dspark.runtime.drafting.lookup import LookupDrafter
 from dspark.runtime.drafting.model import ModelDrafter
-from dspark.runtime.engine.acceptance import Acceptance, accept
+from dspark.runtime.engine.acceptance import Acceptance, accept, scored_rows
+from dspark.runtime.engine.choices import Choices
 from dspark.runtime.engine.emit import emit
+from dspark.runtime.engine.kv_setup import cached_roles, kv_layout, shared_kv_roles
 from dspark.runtime.engine.planner import WindowPlanner
 from dspark.runtime.engine.round_plan import RoundPlan, Slot
 from dspark.runtime.engine.scheduler import Scheduler, in_flight
@@ -51,6 +53,7 @@ from dspark.runtime.model.costs import AFTER_DRAFT, CostModel
 from dspark.runtime.model.device import resolve_device
 from dspark.runtime.model.profile import warmup
 from dspark.runtime.model.runner import ModelRunner
+from dspark.runtime.sequence.logprobs import output_logprobs, score_prompt
 from dspark.runtime.sequence.request import GenerationRequest, Sequence
 from dspark.runtime.sequence.validate import Limits, validate
 
@@ -120,6 +123,7 @@ class Engine:
         self.grammars = grammars
         self.ids = itertools.count()
         self.health = CacheHealth(self.arena, self.config.cache_health)
+        self.choices = Choices()  # choices waiting for their first's prompt (submit_group)
         self._watcher: ConfigSource | None = None
 
     @property
@@ -156,6 +160,8 @@ class Engine:
         """One engine step: what it advanced (finished sequences included), each speculative
         sequence's round, the verify's time."""
         self.maintain()
+        for seq in self.choices.ready():  # choices whose prompt their first has computed
+            self.scheduler.submit(seq)
         self.scheduler.admit()
         scheduled = self.scheduler.plan_step()
         t0 = time.perf_counter()  # the round's planning, drafting and verify
@@ -208,7 +214,7 @@ class Engine:
             feed = seq.tokens[seq.main_cached:seq.main_cached + s.chunk]
             drafts = s.pending.tokens[:s.verify] if s.finishes_prompt else []
             chunks.append((seq.id, seq.main_cached, feed + drafts))
-            rows.append(s.verify + 1 if s.finishes_prompt else 0)
+            rows.append(_rows(s))
         self.health.observe_batch([s.seq.id for s in plan])
         drafted = any("draft" in s.source for s in plan)  # draft forwards ran just before
         t0 = time.perf_counter()
@@ -222,15 +228,17 @@ class Engine:
         it speculates."""
         seq = slot.seq
         self.scheduler.account(seq, slot.chunk + slot.verify)
+        if seq.request.echo and seq.prefilling:  # the prompt's rows score its tokens
+            score_prompt(seq, logits[:slot.chunk])
+            logits = logits[slot.chunk - 1:] if slot.finishes_prompt else logits[:0]
         if not len(logits):  # a prompt chunk: the cache grew, nothing to emit yet
             seq.main_cached += slot.chunk
             self.kv.commit(seq, "main", seq.main_cached)
             return None
         pending = slot.pending
         sources = tuple(pending.sources[:slot.verify])
-        result = accept(seq, pending, slot.verify, logits)
-        if seq.constraint is not None:
-            seq.constraint.commit(result.tokens)
+        rows = scored_rows(seq, pending.tokens[:slot.verify], logits)
+        result = accept(seq, pending, slot.verify, rows)
         seq.stats.record(result.drafted, result.accepted, pending.confidence, pending.entropy)
         record = None
         if seq.request.speculative:
@@ -242,10 +250,16 @@ class Engine:
         self._commit(seq, slot, result, seconds)
         self.planner.observe(seq)
         grammar = seq.constraint
+        before = len(seq.tokens)
         emit(seq, result.tokens, self.eos_ids if grammar is None else self.eos_ids | grammar.eos,
              self.decode, self.scheduler.steps)
-        if grammar is not None and not seq.done and grammar.stopped:  # nothing more allowed
-            seq.finish_reason = "stop"
+        if seq.request.logprobs is not None:  # the emitted tokens' rows, read already
+            seq.logprobs += output_logprobs(rows, result.tokens[:len(seq.tokens) - before],
+                                            seq.request.logprobs)
+        if grammar is not None:
+            grammar.commit(result.tokens)
+            if not seq.done and grammar.stopped:  # nothing more allowed
+                seq.finish_reason = "stop"
         return record
 
     def _commit(self, seq: Sequence, slot: Slot, result: Acceptance, seconds: float) -> None:
@@ -270,7 +284,7 @@ class Engine:
             self.drafting.release(seq)
 
     # -- requests and operations ------------------------------------------------------
-    def submit(self, request: GenerationRequest) -> Sequence:
+    def _sequence(self, request: GenerationRequest) -> Sequence:
         validate(request, self.limits)
         seq = Sequence(next(self.ids), request)
         if request.grammar is not None:
@@ -278,8 +292,23 @@ class Engine:
                 raise RequestError("structured output needs the bundle's tokenizer (dsc "
                                    "compile --tokenizer)", param="response_format")
             seq.constraint = self.grammars.constraint(request.grammar)
-        self.scheduler.submit(seq)
         return seq
+
+    def submit(self, request: GenerationRequest) -> Sequence:
+        return self.submit_group([request])[0]
+
+    def submit_group(self, requests: list[GenerationRequest]) -> list[Sequence]:
+        """Choices of one prompt (`n`): the first is scheduled now; the others, where the
+        prefix cache can share its prompt, once its prefill is done (engine/choices.py)."""
+        seqs = [self._sequence(r) for r in requests]
+        first = requests[0]
+        self.scheduler.submit(seqs[0])
+        if len(seqs) > 1 and self.kv.prefix.enabled and first.cache_prompt and not first.echo:
+            self.choices.park(seqs[0], seqs[1:])
+        else:
+            for seq in seqs[1:]:
+                self.scheduler.submit(seq)
+        return seqs
 
     def generate(self, requests: list[GenerationRequest]) -> list[Sequence]:
         seqs = [self.submit(r) for r in requests]
@@ -289,13 +318,14 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.pending)
+        return bool(self.scheduler.running or self.scheduler.pending or self.choices)
 
     def cancel(self, seq: Sequence) -> None:
         """Stop a sequence (client gone); its blocks are freed."""
         seq.finish_reason = seq.finish_reason or "cancelled"
-        self.scheduler.cancel(seq)
-        self._release(seq)
+        if not self.choices.cancel(seq):
+            self.scheduler.cancel(seq)
+            self._release(seq)
 
     def resize(self, max_seq_len: int) -> ArenaLayout:
         """New max sequence length (RequestError past the positions a model was compiled
@@ -330,6 +360,15 @@ class Engine:
         return {**profile, "other_cores": other}
 
 
+def _rows(slot: Slot) -> int:
+    """Logits rows a slot's forward returns: its verify window's (drafts and the main's
+    token) where its chunk ends its prompt; while an echo request is prefilling, every
+    position it feeds (they score the prompt's tokens)."""
+    if slot.seq.request.echo and slot.seq.prefilling:
+        return slot.chunk + (slot.verify if slot.finishes_prompt else 0)
+    return slot.verify + 1 if slot.finishes_prompt else 0
+
+
 def _model_drafter(engine: Engine, bundle: Bundle) -> ModelDrafter | None:
     """The bundle's draft models as a drafter (each round's DraftJob says how far a sequence
     may fill: its reservation, and how many tokens a catch-up reads: a prompt chunk)."""
@@ -338,33 +377,3 @@ def _model_drafter(engine: Engine, bundle: Bundle) -> ModelDrafter | None:
     maps = {"draft": bundle.token_map} if bundle.token_map is not None else {}
     return ModelDrafter(engine.draft_models, engine.arena, engine.resources.draft, maps,
                         engine.shared_kv, engine.kv.commit)
-
-
-def shared_kv_roles(bundle: Bundle, enabled: bool) -> frozenset[str]:
-    """The draft models that read the main's KV cache (config drafting.share_main_kv): same
-    cache geometry as the main and the same token ids (no token map)."""
-    main = bundle.model("main")
-    return frozenset(r for r in bundle.draft_models if enabled and main.same_cache(
-        bundle.model(r)) and not (r == "draft" and bundle.token_map is not None))
-
-
-def cached_roles(bundle: Bundle, shared: frozenset[str]) -> tuple[str, ...]:
-    """The models whose caches the prefix cache keeps, main first: those that keep their
-    own cache at the main's token positions (no token map)."""
-    drafts = [r for r in bundle.draft_models if r not in shared
-              and not (r == "draft" and bundle.token_map is not None)]
-    return ("main", *sorted(drafts))
-
-
-def kv_layout(bundle: Bundle, shared: frozenset[str], budget: int | None,
-              kv_dtype: str | None, max_seq_len: int | None = None, windowed: bool = True,
-              flight: int = IN_FLIGHT) -> ArenaLayout:
-    """The arena's groups for the models that keep a cache (a draft reading the main's
-    keeps none: its share of the budget goes to the others)."""
-    plan = bundle.plan
-    if max_seq_len is not None and not 1 <= max_seq_len <= plan.max_seq_len:
-        raise DSparkError(f"--max-seq-len {max_seq_len} must lie in [1, "
-                          f"{plan.max_seq_len}] (the bundle's; dsc compile --max-seq-len)")
-    specs = [bundle.model(p.role) for p in plan.pools if p.role not in shared]
-    return arena_layout(specs, budget or plan.budget_bytes, plan.block_size,
-                        max_seq_len or plan.max_seq_len, kv_dtype, windowed, flight)

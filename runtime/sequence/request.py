@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dspark.runtime.errors import DSparkError
+from dspark.runtime.sequence.processors import Penalties, Processors
 from dspark.runtime.sequence.sampling import SamplingParams
 from dspark.runtime.sequence.stats import SeqStats
 
@@ -25,6 +26,9 @@ class GenerationRequest:
     method: str | None = None  # drafting method (hybrid, lookup, draft); None: the config's
     grammar: str | None = None  # an llguidance grammar the output must follow (runtime/grammar)
     cache_prompt: bool = True  # reuse a cached prefix and cache this one (cache/prefix_cache)
+    penalties: Penalties = field(default_factory=Penalties)  # logits processors
+    logprobs: int | None = None  # each output token's logprob and this many top ones
+    echo: bool = False  # also score the prompt's tokens (their logprobs)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -33,6 +37,8 @@ class GenerationRequest:
             raise DSparkError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.max_window is not None and self.max_window < 1:
             raise DSparkError(f"max_window must be >= 1, got {self.max_window}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise DSparkError(f"logprobs must lie in [0, 20], got {self.logprobs}")
 
 
 class Sequence:
@@ -53,6 +59,10 @@ class Sequence:
         self.first_token_at: float | None = None
         self.first_token_step: int | None = None
         self.constraint = None  # the grammar's state (runtime/grammar), with request.grammar
+        self.processors = (Processors(request.penalties, request.prompt_ids)
+                           if request.penalties.active else None)
+        self.logprobs: list = []  # per output token (logprobs.py), with request.logprobs
+        self.prompt_logprobs: list = []  # per prompt token, the first None, with request.echo
 
     @property
     def generated(self) -> list[int]:

@@ -1,7 +1,10 @@
-"""Logit processors and token sampling: the same processors shape draft (q) and main (p).
+"""Token sampling: the same truncations shape draft (q) and main (p).
 
-Temperature 0 means greedy. Otherwise logits / temperature, then top-k, then top-p (nucleus),
-renormalised. Probabilities are float64 so that p/q ratios in acceptance are exact enough.
+Temperature 0 means greedy. Otherwise logits / temperature, then min-p (tokens below min_p
+times the most likely one's probability dropped), then top-k, then top-p (nucleus),
+renormalised (vLLM's order). Probabilities are float64 so that p/q ratios in acceptance are
+exact enough. The request's logits processors (bias, penalties: processors.py) and a
+grammar's mask come before this.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     seed: int | None = None
+    min_p: float = 0.0  # 0: off
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature <= 100:
@@ -27,6 +31,8 @@ class SamplingParams:
             raise DSparkError(f"top_p must lie in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise DSparkError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise DSparkError(f"min_p must lie in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -43,6 +49,8 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     # the largest entry is then exactly 0 and top-k keeps it, so no second shift is needed
     x -= x.max(axis=-1, keepdims=True)
     x *= 1.0 / params.temperature
+    if params.min_p > 0:  # p >= min_p * p_max, in logits: x >= log(min_p) (the max is 0)
+        x[x < np.log(params.min_p)] = -np.inf
     if params.top_k and params.top_k < x.shape[-1]:
         kth = np.partition(x, -params.top_k, axis=-1)[..., -params.top_k, None]
         x[x < kth] = -np.inf

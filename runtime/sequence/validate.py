@@ -33,6 +33,11 @@ def validate(request: GenerationRequest, limits: Limits) -> None:
         raise RequestError(f"the prompt ({len(ids)} tokens) + max_tokens ({request.max_tokens}) "
                            f"exceeds the maximum context length {limit}", "max_tokens",
                            "context_length_exceeded")
+    bad = next((t for t, _ in request.penalties.logit_bias if not 0 <= t < limits.vocab_size),
+               None)
+    if bad is not None:
+        raise RequestError(f"logit_bias names token id {bad}, outside the vocabulary "
+                           f"[0, {limits.vocab_size})", "logit_bias")
     seed = request.sampling.seed
     if seed is not None and not 0 <= seed < 2**63:
         raise RequestError(f"seed must lie in [0, 2^63), got {seed}", "seed")

@@ -1,12 +1,14 @@
 """OpenAI request shapes (pydantic) and what DSpark does with them.
 
 Unknown fields are refused (as OpenAI does), and so are known options DSpark does not
-implement (n > 1, logprobs, penalties, tools on completions...), each naming the field: never
-silently ignored. Extensions: `speculative_decoding` (default true) and `speculative_config`
-(`method`: hybrid, lookup or draft; `draft_model`, `max_window`), `top_k`, `cache_prompt`
-(default true; false: the prompt neither reuses nor fills the prefix cache). Structured
-output: `response_format` json_object or json_schema; `tools` + `tool_choice` on chat
-(runtime/grammar, server/tool_calls.py).
+implement (`best_of`, `suffix`, `functions`, tools on completions), each naming the field:
+never silently ignored. Sampling: `n`, `logprobs` (chat: true with `top_logprobs` 0-20;
+completions: 0-20) and `echo` (completions), `presence_penalty`, `frequency_penalty`,
+`logit_bias`, and vLLM's `repetition_penalty`, `min_p`, `top_k`. Extensions:
+`speculative_decoding` (default true) and `speculative_config` (`method`: hybrid, lookup or
+draft; `draft_model`, `max_window`), `cache_prompt` (default true; false: the prompt neither
+reuses nor fills the prefix cache). Structured output: `response_format` json_object or
+json_schema; `tools` + `tool_choice` on chat (runtime/grammar, server/tool_calls.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from dspark.runtime.errors import RequestError
 
 
 class StreamOptions(BaseModel):
@@ -90,11 +94,10 @@ class ChatMessage(BaseModel):
 
 # Known OpenAI options DSpark does not implement, with the values that mean "off".
 NO_OP: dict[str, tuple] = {
-    "n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
-    "best_of": (None, 1), "suffix": (None,), "presence_penalty": (None, 0.0),
-    "frequency_penalty": (None, 0.0), "logit_bias": (None, {}), "tools": (None, []),
+    "best_of": (None, 1), "suffix": (None,), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
 }
+MAX_N = 16  # choices per request
 CHAT_ONLY = ("tools", "tool_choice")  # implemented for chat completions
 
 
@@ -117,15 +120,14 @@ class GenerationParams(BaseModel):
     store: bool | None = None
     service_tier: str | None = None
     parallel_tool_calls: bool | None = None
-    n: int | None = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
-    echo: bool | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
     best_of: int | None = None
     suffix: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)  # vLLM's
+    min_p: float | None = Field(None, ge=0, le=1)  # vLLM's
+    logit_bias: dict[str, float] | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
     functions: list | None = None
@@ -141,12 +143,29 @@ class GenerationParams(BaseModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias), its keys token ids (JSON object keys are
+        strings); a RequestError naming the field otherwise."""
+        out = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().lstrip("-").isdigit():
+                raise RequestError(f"logit_bias keys must be token ids, got {key!r}",
+                                   "logit_bias")
+            out.append((int(key), float(value)))
+        return tuple(sorted(out))
+
+    def top_logprobs_count(self) -> int | None:
+        """How many top logprobs each token reports (None: no logprobs)."""
+        return None
+
 
 class ChatCompletionRequest(GenerationParams):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     def unsupported(self) -> str | None:
         return next((k for k, ok in NO_OP.items()
@@ -155,12 +174,22 @@ class ChatCompletionRequest(GenerationParams):
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def top_logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs set to true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(GenerationParams):
     prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
 
     def limit(self) -> int | None:
         return self.max_tokens
+
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
 
 
 class CacheResizeRequest(BaseModel):

@@ -9,9 +9,10 @@ from pathlib import Path
 from dspark.runtime.bundle.config import DFlashConfig
 from dspark.runtime.engine.loader import KVOptions, load_engine
 from dspark.runtime.env import read_env
-from dspark.runtime.server.app import ServerState, create_app
+from dspark.runtime.server.app import create_app
 from dspark.runtime.server.metrics import Metrics
 from dspark.runtime.server.service import EngineService
+from dspark.runtime.server.state import ServerState
 
 
 def model_id(bundle: Path) -> str:

@@ -31,14 +31,24 @@ IDLE_REFRESH_S = 1.0  # while idle, metrics' rolling windows still move on
 
 @dataclass
 class Handle:
-    """One request's channel from the engine thread back to its HTTP handler."""
+    """One request's channel from the engine thread back to its HTTP handler: its choices
+    (`n` of them: one sequence each), events ("tokens", choice, count, finish) and
+    ("error", exception)."""
 
-    request: GenerationRequest
+    requests: list[GenerationRequest]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    seq: Sequence | None = None
-    sent: int = 0  # tokens already announced
-    admitted: asyncio.Future | None = None  # the engine took it (its Sequence) or refused it
+    seqs: list[Sequence] = field(default_factory=list)
+    sent: list[int] = field(default_factory=list)  # tokens already announced, per choice
+    admitted: asyncio.Future | None = None  # the engine took it (its Sequences) or refused it
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self.requests[0]
+
+    @property
+    def seq(self) -> Sequence | None:
+        return self.seqs[0] if self.seqs else None
 
     def post(self, event: tuple) -> None:
         try:
@@ -56,7 +66,7 @@ class EngineService:
         self.on_step = on_step
         self.on_cancel = on_cancel
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
-        self.handles: dict[int, Handle] = {}
+        self.handles: dict[int, tuple[Handle, int]] = {}  # sequence id -> handle, choice
         self.ready = threading.Event()
         self.stopping = threading.Event()
         self.snapshot = engine.gauges()  # replaced whole by the engine thread
@@ -81,14 +91,16 @@ class EngineService:
             if kind == "submit":
                 _admit(arg, None, RuntimeError("the engine stopped before taking the request"))
 
-    def submit(self, request: GenerationRequest) -> Handle:
-        """Queue a request; 429 when the queue is full. `await handle.admitted` tells whether
-        the engine took it (Engine.submit validates it: a RequestError otherwise)."""
+    def submit(self, request: GenerationRequest | list[GenerationRequest]) -> Handle:
+        """Queue a request (a list: its choices); 429 when the queue is full. `await
+        handle.admitted` tells whether the engine took it (Engine.submit validates it: a
+        RequestError otherwise)."""
         waiting = self.commands.qsize() + self.snapshot.waiting
         if waiting >= self.max_queue:
             raise QueueFullError(f"{waiting} requests are waiting (limit {self.max_queue})")
         loop = asyncio.get_running_loop()
-        handle = Handle(request, loop, admitted=loop.create_future())
+        requests = request if isinstance(request, list) else [request]
+        handle = Handle(requests, loop, admitted=loop.create_future())
         self.commands.put(("submit", handle))
         return handle
 
@@ -143,19 +155,21 @@ class EngineService:
     def _run(self, kind: str, arg) -> None:
         if kind == "submit":
             try:
-                arg.seq = self.engine.submit(arg.request)
-                self.handles[arg.seq.id] = arg
+                arg.seqs = self.engine.submit_group(arg.requests)
             except Exception as e:  # noqa: BLE001 - reported to the handler
                 _admit(arg, None, e)
             else:
-                _admit(arg, arg.seq, None)
+                arg.sent = [0] * len(arg.seqs)
+                for i, seq in enumerate(arg.seqs):
+                    self.handles[seq.id] = (arg, i)
+                _admit(arg, arg.seqs, None)
         elif kind == "cancel":
-            if arg.seq is not None and not arg.seq.done:
-                self.engine.cancel(arg.seq)
-            if arg.seq is not None:
-                self.handles.pop(arg.seq.id, None)
+            for seq in arg.seqs:
+                if not seq.done:
+                    self.engine.cancel(seq)
+                self.handles.pop(seq.id, None)
                 if self.on_cancel is not None:
-                    self.on_cancel(arg.seq.id)
+                    self.on_cancel(seq.id)
         elif kind == "call":
             fn, future, loop = arg
             try:
@@ -167,22 +181,24 @@ class EngineService:
 
     def _notify(self, advanced: tuple[Sequence, ...]) -> None:
         for seq in advanced:
-            handle = self.handles.get(seq.id)
+            handle, choice = self.handles.get(seq.id, (None, 0))
             if handle is None:
                 continue
             if seq.error is not None:
                 log.error("request %d failed", seq.id, exc_info=seq.error)
                 handle.post(("error", seq.error))
-            elif len(seq.generated) > handle.sent or seq.done:
-                handle.sent = len(seq.generated)
-                handle.post(("tokens", handle.sent, seq.finish_reason))
+            elif len(seq.generated) > handle.sent[choice] or seq.done:
+                handle.sent[choice] = len(seq.generated)
+                handle.post(("tokens", choice, handle.sent[choice], seq.finish_reason))
             if seq.done:
                 self.handles.pop(seq.id, None)
 
     def _fail_all(self, error: Exception) -> None:
-        for handle in list(self.handles.values()):
-            if handle.seq is not None:
-                self.engine.cancel(handle.seq)
+        failed = {id(h): h for h, _ in self.handles.values()}
+        for handle in failed.values():
+            for seq in handle.seqs:
+                if not seq.done:
+                    self.engine.cancel(seq)
             handle.post(("error", error))
         self.handles.clear()
 

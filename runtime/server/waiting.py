@@ -39,13 +39,16 @@ async def admitted(service: EngineService, handle: Handle, request: Request) -> 
 
 
 async def finished(service: EngineService, handle: Handle, request: Request
-                   ) -> Sequence | None:
-    """The finished sequence; None: the client left first."""
+                   ) -> list[Sequence] | None:
+    """The finished sequences, one per choice; None: the client left first."""
+    left = set(range(len(handle.seqs)))
     while True:
         ok, event = await polled(service, handle, request, handle.events.get)
         if not ok:
             return None
         if event[0] == "error":
             raise errors.server_error(event[1])
-        if event[2] is not None:
-            return handle.seq
+        if event[3] is not None:
+            left.discard(event[1])
+            if not left:
+                return handle.seqs
