@@ -200,6 +200,13 @@ REPORTS = [
      "The Gemma 3 sample compiled at 8192 positions (`dsc compile ... --max-seq-len 8192`): "
      "15 of its 18 layers attend to a window of 512. One sequence is fed to its last "
      "position and the blocks it holds are counted (a count, not a timing)."),
+    ("processors.json", "Penalties and logprobs",
+     "python samples/bench_processors.py --json build/reports/processors.json",
+     "The sample on the peer prompts, greedy, one request at a time, every mode in turn: "
+     "plain and default speculation without and with penalties (presence 0.5, frequency "
+     "0.3, repetition 1.1, a logit_bias), and default with logprobs (5 top ones a token). "
+     "Speculation keeps its speed-up under penalties; logprobs' cost is default+logprobs "
+     "against default (noise is a few percent either way)."),
     ("gemma3_bench.json", "Gemma 3 270M: speculation against plain decoding",
      "dsrun bench --model build/gemma3.dsmodel --prompts samples/prompts/base_prompts.jsonl "
      "--repeats 2 --json > build/reports/gemma3_bench.json",
@@ -266,6 +273,12 @@ def kv_bytes_table(report: dict) -> list[str]:
     return [report["setup"], "", *table(report)]
 
 
+def processors_table(report: dict) -> list[str]:
+    from bench_processors import table
+
+    return [report["setup"], "", *table(report)]
+
+
 TABLES = {"peers_greedy.json": peers_table, "peers_sampled.json": peers_table,
           "peers_loaded.json": peers_table, "peers_avx2.json": peers_table,
           "peers_loaded_avx2.json": peers_table, "peers_loaded_one.json": peers_table,
@@ -281,7 +294,8 @@ TABLES = {"peers_greedy.json": peers_table, "peers_sampled.json": peers_table,
           "q4_bench.json": bench_table, "q4_bench_loaded.json": bench_table,
           "q4_bench_avx2.json": bench_table, "q4_bench_avx2_loaded.json": bench_table,
           "q8_bench.json": bench_table, "multi_turn.json": multi_turn_table,
-          "prefix_lookup.json": prefix_lookup_table, "kv_bytes_gemma3.json": kv_bytes_table}
+          "prefix_lookup.json": prefix_lookup_table, "kv_bytes_gemma3.json": kv_bytes_table,
+          "processors.json": processors_table}
 
 
 def sections(page: str) -> dict[str, list[str]]:
