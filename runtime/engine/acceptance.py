@@ -1,7 +1,10 @@
 """Speculative acceptance: one pure function per mode, returning tokens and statistics.
 
 The draft proposed d_1..d_w; the main model scored the window, giving for each position i
-(1..w+1) the distribution p_i of the token after the prefix ending at d_{i-1}.
+(1..w+1) the distribution p_i of the token after the prefix ending at d_{i-1}: its logits
+processed as plain decoding would process them at that position (the request's penalties
+and bias counting d_1..d_{i-1}, a grammar's mask; `scored_rows`), then temperature and
+truncation.
 
 Greedy: accept the longest prefix with d_i == argmax p_i, then append argmax p_{n+1}: the
 main model's own next token. Output equals plain greedy decoding token for token.
