@@ -135,6 +135,7 @@ benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmark
 	$(BIN)/python samples/bench_multi_turn.py --json $(REPORTS)/multi_turn.json
 	$(BIN)/python samples/bench_prefix_lookup.py --json $(REPORTS)/prefix_lookup.json
 	$(BIN)/python samples/bench_processors.py --json $(REPORTS)/processors.json
+	$(BIN)/python samples/bench_serving.py --json $(REPORTS)/serving.json
 	$(BIN)/dsc compile $(GEMMA)/main.onnx $(GEMMA)/draft.onnx -o build/gemma3-8k.dsmodel \
 	    --max-seq-len 8192 --force
 	$(BIN)/python samples/kv_bytes.py --bundle build/gemma3-8k.dsmodel --tokens 8192 \

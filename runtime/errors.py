@@ -26,7 +26,11 @@ class ConflictError(DSparkError):
 
 
 class QueueFullError(DSparkError):
-    """Too many requests are waiting; try again later."""
+    """Too many requests are waiting; try again in `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class RequestError(DSparkError):

@@ -14,7 +14,8 @@ other errors, and the server's RSS (at start, at its peak during the setting). S
                              server each, --max-batch 16 --max-queue 32
     llama-f32   llama-q4_1   llama-server with -np 16 slots (started again with --no-repack
                              where its repacked Q4_1 path crashes loading; the report says so)
-Every setting runs every system in turn, the order rotating by setting. A greedy request's
+Every setting runs every system in turn, in --rounds rounds (the order rotating by setting
+and round), so that a noisy minute on a shared machine falls on all of them. A greedy request's
 text under load is compared with the same prompt served alone (the 1-client setting): the
 `same` column. The report starts with the CPU's model and flags.
 """
@@ -116,6 +117,18 @@ def summarise(run: dict, alone: dict[str, str] | None) -> dict:
             "rss_start_mb": run["rss_start"], "rss_peak_mb": run["rss_peak"], "same": same}
 
 
+def merge(runs: dict[str, dict], key: str, run: dict) -> None:
+    """Add a round's run to the setting's runs so far (replies pooled, seconds summed, RSS
+    from the first round's start to the highest peak)."""
+    if key not in runs:
+        runs[key] = run
+        return
+    old = runs[key]
+    runs[key] = {"replies": old["replies"] + run["replies"],
+                 "seconds": old["seconds"] + run["seconds"], "rss_start": old["rss_start"],
+                 "rss_peak": max(old["rss_peak"], run["rss_peak"])}
+
+
 def modes(name: str) -> list[tuple[str, dict]]:
     """(row name, request fields) of a system: dsrun's plain and default, a peer's one."""
     if name in DSRUN:
@@ -145,6 +158,8 @@ def main() -> None:
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS))
     p.add_argument("--clients", default="1,4,16,64")
     p.add_argument("--duration", type=float, default=40)
+    p.add_argument("--rounds", type=int, default=2, help="each setting's duration split into "
+                   "this many rounds, the systems interleaved round by round")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -158,17 +173,21 @@ def main() -> None:
     runs: dict[str, dict] = {}
     try:
         for i, clients in enumerate(counts):
-            for row, name, extra in rows[i % len(rows):] + rows[:i % len(rows)]:
-                log(f"{clients} clients: {row}")
-                runs[f"{row}@{clients}"] = asyncio.run(run_clients(
-                    running[name], prompts, clients, args.duration, args.max_tokens, extra))
+            for r in range(args.rounds):
+                k = (i + r) % len(rows)
+                for row, name, extra in rows[k:] + rows[:k]:
+                    log(f"{clients} clients, round {r + 1}/{args.rounds}: {row}")
+                    merge(runs, f"{row}@{clients}", asyncio.run(run_clients(
+                        running[name], prompts, clients, args.duration / args.rounds,
+                        args.max_tokens, extra)))
     finally:
         for server in running.values():
             server.stop()
     alone = {row: {r["prompt"]: r["text"] for r in runs[f"{row}@{counts[0]}"]["replies"]
                    if r["error"] is None} for row, _, _ in rows} if counts[0] == 1 else {}
     report = {"cpu": cpu_line(args.systems), "revision": measured,
-              "setup": (f"SmolLM2-135M-Instruct; {args.duration:.0f} s per setting, "
+              "setup": (f"SmolLM2-135M-Instruct; {args.duration:.0f} s per setting in "
+                        f"{args.rounds} interleaved rounds, "
                         f"{args.max_tokens} tokens a request, greedy; dsrun --max-batch "
                         f"{SLOTS} --max-queue {QUEUE}; llama-server -np {SLOTS}"
                         + "".join(f"; {n} crashed loading with its repacked path and ran "

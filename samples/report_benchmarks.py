@@ -207,6 +207,13 @@ REPORTS = [
      "0.3, repetition 1.1, a logit_bias), and default with logprobs (5 top ones a token). "
      "Speculation keeps its speed-up under penalties; logprobs' cost is default+logprobs "
      "against default (noise is a few percent either way)."),
+    ("serving.json", "Serving under load: 1 to 64 streaming clients",
+     "python samples/bench_serving.py --json build/reports/serving.json",
+     "N streaming clients sending the held-out chat prompts back to back (128 tokens, "
+     "greedy) for 40 s per setting, in two interleaved rounds; dsrun plain and default "
+     "(--max-batch 16 --max-queue 32) beside llama-server with 16 slots on the same weights. "
+     "ITL is each request's mean time per token after its first. `same as alone`: every "
+     "greedy text under load equals the same prompt's at one client (docs/serving.md)."),
     ("gemma3_bench.json", "Gemma 3 270M: speculation against plain decoding",
      "dsrun bench --model build/gemma3.dsmodel --prompts samples/prompts/base_prompts.jsonl "
      "--repeats 2 --json > build/reports/gemma3_bench.json",
@@ -273,6 +280,12 @@ def kv_bytes_table(report: dict) -> list[str]:
     return [report["setup"], "", *table(report)]
 
 
+def serving_table(report: dict) -> list[str]:
+    from bench_serving import table
+
+    return [report["setup"], "", *table(report)]
+
+
 def processors_table(report: dict) -> list[str]:
     from bench_processors import table
 
@@ -295,7 +308,7 @@ TABLES = {"peers_greedy.json": peers_table, "peers_sampled.json": peers_table,
           "q4_bench_avx2.json": bench_table, "q4_bench_avx2_loaded.json": bench_table,
           "q8_bench.json": bench_table, "multi_turn.json": multi_turn_table,
           "prefix_lookup.json": prefix_lookup_table, "kv_bytes_gemma3.json": kv_bytes_table,
-          "processors.json": processors_table}
+          "processors.json": processors_table, "serving.json": serving_table}
 
 
 def sections(page: str) -> dict[str, list[str]]:

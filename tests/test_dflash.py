@@ -16,6 +16,7 @@ from dspark.runtime.bundle.config import (
     VerifyBalanceConfig,
     WindowConfig,
 )
+from dspark.runtime.dflash.batch_modes import MIN_STEPS, BatchModes
 from dspark.runtime.dflash.che import CacheHealth, hit_rate, measure
 from dspark.runtime.dflash.dwc import DynamicWindow
 from dspark.runtime.dflash.goodput import select_slots
@@ -161,6 +162,48 @@ def test_vlb_batch_cap_turns_speculation_off_under_load():
     assert vlb.batch_cap(32, 6) == 0  # many requests: plain decoding is faster
     vlb.acceptance = 0.05
     assert vlb.batch_cap(2, 6) == 0  # drafts that are rarely accepted do not pay
+
+
+def _run_modes(modes: BatchModes, steps: int, rate: dict[bool, float], batch: int = 16
+               ) -> list[bool]:
+    """`steps` steps of `batch` sequences whose mode yields `rate[mode]` tokens a second."""
+    chosen = []
+    for _ in range(steps):
+        mode = modes.speculate(batch)
+        chosen.append(mode)
+        modes.observe(batch, mode, batch, batch / rate[mode])
+    return chosen
+
+
+def test_batch_modes_follow_the_faster_mode_and_explore_at_a_bounded_cost():
+    modes = BatchModes(explore_every=24)
+    chosen = _run_modes(modes, 400, {True: 200.0, False: 300.0})
+    assert chosen[:2 * MIN_STEPS] == [True] * MIN_STEPS + [False] * MIN_STEPS
+    late = chosen[100:]
+    assert 0 < late.count(True) <= len(late) / 24 * (300 / 200) + 1  # trials, bounded by time
+    # the load changes: speculation becomes the faster mode, and the trials find it
+    chosen = _run_modes(modes, 400, {True: 500.0, False: 300.0})
+    assert chosen[-100:].count(True) > 90
+
+
+def test_batch_modes_keep_one_sequence_and_each_bucket_apart():
+    modes = BatchModes()
+    assert modes.speculate(1) and all(modes.speculate(1) for _ in range(10))
+    _run_modes(modes, 200, {True: 100.0, False: 300.0}, batch=16)
+    _run_modes(modes, 200, {True: 300.0, False: 100.0}, batch=3)
+    assert not modes.speculate(12)  # 9-16 learned plain; 3-4 learned speculation
+    assert modes.speculate(4)
+    assert set(modes.summary()) == {"16", "4"}
+
+
+def test_vlb_speculate_obeys_the_config_switch():
+    balancer = VerifyBalancer(VerifyBalanceConfig(batch_modes=False), _costs())
+    for _ in range(50):
+        balancer.observe_step(16, True, 16, 1.0)
+        balancer.observe_step(16, False, 16, 0.01)
+    assert balancer.speculate(16)
+    balancer.configure(DFlashConfig(verify_balance=VerifyBalanceConfig(batch_modes=True)))
+    assert not balancer.speculate(16)  # measured: plain steps are 100x faster
 
 
 def test_che_seed_example_restores_health(arena):  # noqa: F811

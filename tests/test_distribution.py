@@ -25,8 +25,10 @@ from dspark.runtime.sequence.sampling import SamplingParams, probabilities, samp
 from chi_square import chi_square
 
 SAMPLES = 4000
-# speculate at any batch size (VLB would turn drafting off for 512 sequences at once)
-ALWAYS = DFlashConfig(verify_balance=VerifyBalanceConfig(batch_cap=False))
+# speculate at any batch size and beside prompt chunks (VLB would turn drafting off for 512
+# sequences at once, and keeps steps that feed a prompt plain)
+ALWAYS = DFlashConfig(verify_balance=VerifyBalanceConfig(batch_cap=False, batch_modes=False,
+                                                        plain_prompt_steps=False))
 PARAMS = SamplingParams(temperature=1.3)
 
 

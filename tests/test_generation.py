@@ -30,7 +30,8 @@ from model_fixtures import PAIRS
 LENGTHS = (1, 3, 5, 8, 13, 21, 34, 55)
 # no RAS cap, and speculation at every batch size (VLB would turn it off under load)
 WIDE = DFlashConfig(resources=ResourceConfig(table=(ResourceRow("cpu", 8),)),
-                    verify_balance=VerifyBalanceConfig(batch_cap=False))
+                    verify_balance=VerifyBalanceConfig(batch_cap=False, batch_modes=False,
+                                                       plain_prompt_steps=False))
 MAX_FORKS = 1  # forgiven near-tie forks per setting (none seen on the fixtures or SmolLM2)
 # (policy, window, speculative, prefill tokens per step, drafting method)
 SETTINGS = [("fixed", 1, False, 256, "draft"), ("fixed", 1, True, 256, "draft"),
@@ -150,10 +151,10 @@ def test_cancel_while_waiting_mid_prefill_and_mid_draft(fixture_pairs, compiled)
 
 @pytest.mark.slow
 def test_greedy_lossless_on_smollm2(smollm2_pair, smollm2_bundle):
-    from dspark.runtime.cli.bench import _ids, load_prompts
+    from dspark.runtime.sequence.prompt import entry_ids, load_prompts
 
     tokenizer = BundleTokenizer(smollm2_bundle / "tokenizer")
-    prompts = [_ids(tokenizer, p) for p in load_prompts(None)]
+    prompts = [entry_ids(tokenizer, p) for p in load_prompts(None)]
     assert len({len(p) for p in prompts}) > 4  # mixed lengths
     _check_lossless(smollm2_bundle, smollm2_pair / "main.onnx", prompts, tokenizer.eos_ids,
                     settings=SMOLLM2_SETTINGS)

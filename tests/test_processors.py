@@ -27,8 +27,10 @@ from dspark.runtime.sequence.sampling import SamplingParams, probabilities
 
 from chi_square import chi_square
 
-# speculate at any batch size (VLB would turn drafting off for 512 sequences at once)
-ALWAYS = DFlashConfig(verify_balance=VerifyBalanceConfig(batch_cap=False))
+# speculate at any batch size and beside prompt chunks (VLB would turn drafting off for 512
+# sequences at once, and keeps steps that feed a prompt plain)
+ALWAYS = DFlashConfig(verify_balance=VerifyBalanceConfig(batch_cap=False, batch_modes=False,
+                                                        plain_prompt_steps=False))
 CASES = {
     "presence": Penalties(presence=1.5),
     "frequency": Penalties(frequency=0.8),

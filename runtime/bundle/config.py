@@ -144,10 +144,19 @@ class VerifyBalanceConfig:
     steady_tokens_low: int = 8
     steady_tokens_mid: int = 2
     batch_cap: bool = True  # cap the batch's window by measured cost (0: plain decoding)
+    # steps of 2+ sequences speculate only where, at their batch size, speculating steps
+    # have realized more tokens per second than plain ones (dflash/batch_modes.py); the
+    # slower mode is tried again every `mode_explore_every` steps of that size
+    batch_modes: bool = True
+    mode_explore_every: int = 24
+    # a step that feeds a prompt chunk does not speculate: the chunk waits for the decode
+    # tokens beside it, not for drafts and their verify (false: speculate there too)
+    plain_prompt_steps: bool = True
 
     def validate(self, path: str) -> None:
         _check(0 < self.low_utilisation < self.high_utilisation <= 1, f"{path}.high_utilisation",
                "need 0 < low_utilisation < high_utilisation <= 1")
+        _check(self.mode_explore_every >= 1, f"{path}.mode_explore_every", "must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,17 @@ the w (0 included) with the most tokens per second, plain decoding to be beaten 
 Under heavy batching on a CPU plain decoding already uses the weights it streams for many
 tokens, and speculation would only slow it down: the cap goes to 0. With one request the
 window policy alone decides.
+
+Whether a batch speculates at all is measured, not modelled (`speculate`, batch_modes.py):
+per batch size the realized tokens per second of speculating and of plain steps; a step
+that feeds a prompt never speculates (the planner), so a waiting request's first token is
+not held behind verify windows.
 """
 
 from __future__ import annotations
 
 from dspark.runtime.bundle.config import VerifyBalanceConfig
+from dspark.runtime.dflash.batch_modes import BatchModes
 from dspark.runtime.model.costs import CostModel
 
 PRIOR_ACCEPT = 0.7
@@ -41,9 +47,20 @@ class VerifyBalancer:
         self.costs = costs
         self.acceptance = PRIOR_ACCEPT  # of fast-lane tokens, EWMA over rounds
         self.verify_tokens = 1  # size of the last verify forward
+        self.modes = BatchModes(config.mode_explore_every)
 
     def configure(self, config) -> None:
         self.config = config.verify_balance
+        self.modes.explore_every = self.config.mode_explore_every
+
+    def speculate(self, sequences: int) -> bool:
+        """Does a step of `sequences` sequences speculate (batch_modes.py)?"""
+        return not self.config.batch_modes or self.modes.speculate(sequences)
+
+    def observe_step(self, sequences: int, speculated: bool, tokens: int,
+                     seconds: float) -> None:
+        """A step that fed no prompt: its mode's output tokens per second, by batch size."""
+        self.modes.observe(sequences, speculated, tokens, seconds)
 
     def observe(self, tokens: int, seconds: float) -> None:
         """After a verify forward of `tokens` tokens."""

@@ -170,13 +170,16 @@ class Engine:
             return StepReport()
         logits, verify_ms = self._verify(plan)
         seconds = time.perf_counter() - t0
-        rounds = []
+        rounds, before = [], sum(len(s.seq.generated) for s in plan)
         for slot, rows in zip(plan, logits):
             try:
                 if (record := self._advance(slot, rows, seconds)) is not None:
                     rounds.append(record)
             except Exception as e:  # noqa: BLE001 - one sequence's fault ends it alone
                 slot.seq.finish_reason, slot.seq.error = "error", e
+        if self.planner.decided:  # a prompt's step is plain, and not a measure
+            self.balancer.observe_step(len(plan), self.planner.speculated, sum(
+                len(s.seq.generated) for s in plan) - before, time.perf_counter() - t0)
         for seq in plan.seqs:
             if seq.done:
                 self.scheduler.finish(seq)

@@ -53,6 +53,9 @@ class WindowPlanner:
         self.has_model = has_model
         self.policies: dict[str, WindowPolicy] = {}
         self.set_policy(policy or config.window.policy, window)
+        self.speculated = False  # whether the last planned step could speculate
+        self.decided = False  # whether it had a speculative request to decide for
+        self.feeds_prompt = False  # whether it fed a prompt chunk
 
     def configure(self, config: DFlashConfig) -> None:
         self.config = config
@@ -141,9 +144,18 @@ class WindowPlanner:
         """Each speculating slot's method and windows. A lookup slot whose lookups rest this
         round (`Drafting.rests`) stays a plain slot: no drafting work at all, the same step
         as plain decoding's (a chat's lookups rest in most rounds, and the drafting path's
-        bookkeeping cost them ~45 us a token, 1% of an int4 step)."""
-        methods = {s.seq.id: self.method(s.seq) for s in plan
-                   if not s.seq.prefilling and s.seq.request.speculative}
+        bookkeeping cost them ~45 us a token, 1% of an int4 step). No slot speculates in a
+        step that feeds a prompt (its chunk would wait for the drafts and their verify;
+        `verify_balance.plain_prompt_steps`), nor where VLB finds plain steps faster at this
+        batch size (`speculated`)."""
+        self.feeds_prompt = any(s.seq.prefilling and s.chunk for s in plan)
+        wanted = any(not s.seq.prefilling and s.seq.request.speculative for s in plan)
+        self.decided = wanted and not self.feeds_prompt  # a step VLB measures (engine.step)
+        self.speculated = (wanted and not self.balancer.config.plain_prompt_steps
+                           if self.feeds_prompt else
+                           self.decided and self.balancer.speculate(len(plan)))
+        methods = {s.seq.id: self.method(s.seq) for s in plan if self.speculated
+                   and not s.seq.prefilling and s.seq.request.speculative}
         speculating = [s for s in plan if s.seq.id in methods and not (
             methods[s.seq.id] == "lookup" and drafting.rests(s.seq))]
         for policy in self.policies.values():

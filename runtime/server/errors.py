@@ -71,7 +71,7 @@ def install(app) -> None:
     app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(QueueFullError, lambda _, e: APIError(
         429, str(e), code="queue_full", kind="rate_limit_error",
-        headers={"Retry-After": "1"}).response())
+        headers={"Retry-After": str(e.retry_after)}).response())
     app.add_exception_handler(ConflictError, lambda _, e: APIError(
         409, str(e), code="conflict").response())
     app.add_exception_handler(RequestError, lambda _, e: APIError(

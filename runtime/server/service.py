@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,6 +29,8 @@ from dspark.runtime.sequence.request import GenerationRequest, Sequence
 log = logging.getLogger("dspark.server")
 IDLE_WAIT_S = 0.05
 IDLE_REFRESH_S = 1.0  # while idle, metrics' rolling windows still move on
+FINISHED_WINDOW = 64  # recent finishes that estimate a 429's Retry-After
+MAX_RETRY_AFTER_S = 60
 
 
 @dataclass
@@ -60,8 +64,10 @@ class Handle:
 class EngineService:
     def __init__(self, engine: Engine, max_queue: int = 256,
                  on_step: Callable[[StepReport, EngineGauges, float], None] | None = None,
-                 on_cancel: Callable[[int], None] | None = None):
+                 on_cancel: Callable[[int], None] | None = None,
+                 say: Callable[[str], None] | None = None):
         self.engine = engine
+        self.say = say  # where the warm-up's line goes
         self.max_queue = max_queue
         self.on_step = on_step
         self.on_cancel = on_cancel
@@ -70,15 +76,23 @@ class EngineService:
         self.ready = threading.Event()
         self.stopping = threading.Event()
         self.snapshot = engine.gauges()  # replaced whole by the engine thread
+        self.finished: deque[float] = deque(maxlen=FINISHED_WINDOW)  # when requests ended
         self.thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
 
     # -- called from the event loop ---------------------------------------------------
     def start(self, warmup: bool = True) -> None:
         """Start the engine thread; /health turns ready after the warm-up (if any)."""
         if warmup:
-            self.commands.put(("call", (lambda e: e.warmup(), None, None)))
+            self.commands.put(("call", (self._warmup, None, None)))
         self.commands.put(("call", (lambda e: self.ready.set(), None, None)))
         self.thread.start()
+
+    def _warmup(self, engine: Engine) -> None:
+        t0 = time.perf_counter()
+        engine.warmup()
+        if self.say is not None:
+            self.say(f"warmed up (the cost table measured) in {time.perf_counter() - t0:.1f}s; "
+                     "ready")
 
     def stop(self) -> None:
         self.stopping.set()
@@ -97,7 +111,8 @@ class EngineService:
         RequestError otherwise)."""
         waiting = self.commands.qsize() + self.snapshot.waiting
         if waiting >= self.max_queue:
-            raise QueueFullError(f"{waiting} requests are waiting (limit {self.max_queue})")
+            raise QueueFullError(f"{waiting} requests are waiting (limit {self.max_queue})",
+                                 retry_after(self.finished, waiting - self.max_queue + 1))
         loop = asyncio.get_running_loop()
         requests = request if isinstance(request, list) else [request]
         handle = Handle(requests, loop, admitted=loop.create_future())
@@ -192,6 +207,7 @@ class EngineService:
                 handle.post(("tokens", choice, handle.sent[choice], seq.finish_reason))
             if seq.done:
                 self.handles.pop(seq.id, None)
+                self.finished.append(time.perf_counter())
 
     def _fail_all(self, error: Exception) -> None:
         failed = {id(h): h for h, _ in self.handles.values()}
@@ -217,3 +233,12 @@ def _settle(future: asyncio.Future, result, error) -> None:
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def retry_after(finished: deque[float] | list[float], places: int) -> int:
+    """A 429's Retry-After: seconds until `places` queue places free up at the rate requests
+    have been finishing (`finished`: their end times, oldest first); 1 before two have."""
+    if len(finished) < 2 or finished[-1] <= finished[0]:
+        return 1
+    rate = (len(finished) - 1) / (finished[-1] - finished[0])
+    return max(1, min(MAX_RETRY_AFTER_S, math.ceil(places / rate)))
