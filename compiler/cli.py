@@ -12,8 +12,8 @@ import click
 from dspark.compiler.compile import ROLES, CompileOptions, compile_bundle
 from dspark.compiler.inspect_bundle import inspect_dict, inspect_text
 from dspark.compiler.progress import Progress
+from dspark.runtime.api import run_cli
 from dspark.runtime.bundle.bundle import open_bundle
-from dspark.runtime.cli.util import run_cli
 from dspark.runtime.model.sessions import init_threads
 from dspark.runtime.version import __version__
 
@@ -26,6 +26,10 @@ def cli() -> None:
     init_threads()
 
 
+quiet_option = click.option("--quiet", "-q", is_flag=True,
+                            help="no progress lines on stderr")
+
+
 @cli.command("compile")
 @click.argument("main", type=PathArg)
 @click.argument("draft", type=PathArg, required=False)
@@ -35,7 +39,9 @@ def cli() -> None:
 @click.option("--kv-budget-mb", type=click.FloatRange(min=1), default=512.0, show_default=True)
 @click.option("--block-size", type=click.Choice(["16", "32", "64", "128"]), default="16",
               show_default=True)
-@click.option("--max-seq-len", type=click.IntRange(min=1), default=2048, show_default=True)
+@click.option("--max-seq-len", type=click.IntRange(min=1), default=None,
+              help="positions a sequence may reach [default: the smaller of 2048 and the "
+              "model's own limit]")
 @click.option("--extra-draft", "extra", multiple=True, metavar="NAME=PATH",
               help="another draft the runtime may switch to (repeatable)")
 @click.option("--draft-tokenizer", type=PathArg, help="the draft's tokenizer folder "
@@ -49,10 +55,12 @@ def cli() -> None:
               "token-major attention (the graph as exported; for A/B and for a model they "
               "mishandle)")
 @click.option("--json", "as_json", is_flag=True, help="print the manifest as JSON")
+@quiet_option
 def compile_cmd(main: Path, draft: Path | None, out: Path, tokenizer: Path | None, force: bool,
-                kv_budget_mb: float, block_size: str, max_seq_len: int, extra: tuple[str, ...],
-                draft_tokenizer: Path | None, token_map: Path | None, auto_token_map: bool,
-                no_aot: bool, no_lean: bool, as_json: bool) -> None:
+                kv_budget_mb: float, block_size: str, max_seq_len: int | None,
+                extra: tuple[str, ...], draft_tokenizer: Path | None, token_map: Path | None,
+                auto_token_map: bool, no_aot: bool, no_lean: bool, as_json: bool,
+                quiet: bool) -> None:
     """Compile MAIN and DRAFT (ONNX, with KV-cache I/O) into the bundle OUT. Without DRAFT
     the bundle drafts by lookup in each request's own context (no draft model)."""
     extras = []
@@ -64,7 +72,7 @@ def compile_cmd(main: Path, draft: Path | None, out: Path, tokenizer: Path | Non
     opts = CompileOptions(main, draft, out, tokenizer, force, kv_budget_mb, int(block_size),
                           max_seq_len, tuple(extras), draft_tokenizer, token_map,
                           auto_token_map, not no_aot, not no_lean)
-    progress = Progress()
+    progress = Progress(quiet)
     manifest = compile_bundle(opts, progress)
     if as_json:
         click.echo(json.dumps({"bundle": str(out), "timings_s": progress.timings,
@@ -145,8 +153,10 @@ def inspect_cmd(bundle: Path, as_json: bool) -> None:
               help="check the function served with this cache dtype (dsrun --kv-cache-dtype), "
                    "against the originals with their caches rounded alike")
 @click.option("--json", "as_json", is_flag=True)
+@quiet_option
 def verify_cmd(bundle: Path, main: Path, draft: Path | None, tolerance: float, rtol: float,
-               seqs: int, steps: int, seed: int, kv_dtype: str | None, as_json: bool) -> int:
+               seqs: int, steps: int, seed: int, kv_dtype: str | None, as_json: bool,
+               quiet: bool) -> int:
     """Run the originals and the bundle side by side; exit 1 if a logit differs by more than
     tolerance + rtol * |the original's logit|."""
     from dspark.compiler.verify import verify_model
@@ -154,7 +164,8 @@ def verify_cmd(bundle: Path, main: Path, draft: Path | None, tolerance: float, r
     b = open_bundle(bundle)
     if (draft is None) != ("draft" not in b.models):
         raise click.UsageError("--draft is needed exactly when the bundle has a draft model")
-    reports = [verify_model(b, role, path, seqs, steps, seed, rtol, kv_dtype)
+    progress = Progress(quiet)
+    reports = [verify_model(b, role, path, seqs, steps, seed, rtol, kv_dtype, progress)
                for role, path in zip(ROLES, (main, draft)) if path is not None]
     ok = all(r.ok(tolerance) for r in reports)
     if as_json:

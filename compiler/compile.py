@@ -9,12 +9,13 @@ from __future__ import annotations
 import hashlib
 import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dspark.compiler.bundle_writer import check_output, list_files, publish, staged_bundle
 from dspark.compiler.contract import InputContract, check_contract, load_header, model_file
 from dspark.compiler.kernel_stage import build_kernels
+from dspark.compiler.max_length import LengthLimitError, default_length
 from dspark.compiler.model_pipeline import compile_model
 from dspark.compiler.progress import Progress
 from dspark.compiler.tokenizer.files import copy_tokenizer, find_tokenizer, tokenizer_vocab_size
@@ -42,7 +43,7 @@ class CompileOptions:
     force: bool = False
     kv_budget_mb: float = 512.0
     block_size: int = 16
-    max_seq_len: int = 2048
+    max_seq_len: int | None = None  # None: the smaller of 2048 and what the models run
     extra_drafts: tuple[tuple[str, Path], ...] = ()  # (name, path): role "draft_<name>"
     draft_tokenizer: Path | None = None
     token_map: Path | None = None
@@ -130,8 +131,25 @@ def _check_map(mapping: TokenMap, opts: CompileOptions, vocab: dict[str, int]) -
 
 
 def compile_bundle(opts: CompileOptions, progress: Progress) -> Manifest:
-    """Compile and publish the bundle; returns the manifest."""
+    """Compile and publish the bundle; returns the manifest. Without a max_seq_len, the
+    length is the smaller of 2048 and the models' own limits (compiler/max_length.py)."""
     contracts, tokenizer, mapping = check_inputs(opts)
+    if opts.max_seq_len is not None:
+        return _compile(opts, contracts, tokenizer, mapping, progress)
+    length, why = default_length([c.path for c in contracts.values()])
+    progress.say(f"max_seq_len {length}: {why} (--max-seq-len sets it)")
+    try:
+        return _compile(replace(opts, max_seq_len=length), contracts, tokenizer, mapping,
+                        progress)
+    except LengthLimitError as e:
+        progress.say(f"max_seq_len {e.runs}: the most the models run (onnxruntime refused "
+                     f"{length} positions); compiling again at {e.runs}")
+        return _compile(replace(opts, max_seq_len=e.runs), contracts, tokenizer, mapping,
+                        progress)
+
+
+def _compile(opts: CompileOptions, contracts: dict[str, InputContract], tokenizer: Path | None,
+             mapping: TokenMap | None, progress: Progress) -> Manifest:
     with tempfile.TemporaryDirectory(prefix="dsc-") as work, staged_bundle(opts.out) as tmp:
         built = {r: compile_model(contracts[r], r, Path(work), tmp, progress, opts.max_seq_len,
                                   opts.lean) for r in opts.roles}

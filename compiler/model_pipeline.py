@@ -200,9 +200,11 @@ def check_segment(path: Path, model: onnx.ModelProto) -> None:
         check.unlink(missing_ok=True)
 
 
-def write_model(graph: gs.Graph, cuts: list[SegmentCut], role: str, out: Path
-                ) -> tuple[tuple[Segment, ...], str, str]:
-    """Segments and the whole graph, all pointing into one weights.bin."""
+def write_model(graph: gs.Graph, cuts: list[SegmentCut], role: str, out: Path,
+                progress: Progress | None = None) -> tuple[tuple[Segment, ...], str, str]:
+    """Segments and the whole graph, all pointing into one weights.bin (`progress`: a line
+    every few seconds with the segments and the weights written)."""
+    progress = progress or Progress(quiet=True)
     folder = out / role
     folder.mkdir()
     f, store = open_store(folder / "weights.bin")
@@ -216,6 +218,8 @@ def write_model(graph: gs.Graph, cuts: list[SegmentCut], role: str, out: Path
             check_segment(out / rel, model)
             segments.append(Segment(cut.index, rel, tuple(t.name for t in cut.inputs),
                                     tuple(t.name for t in cut.outputs)))
+            progress.tick(f"write {role}: segment {len(segments)}/{len(cuts)}, "
+                          f"{f.tell() / 2**20:.0f} MiB of weights written")
         whole = _export(graph)
         whole.opset_import.append(onnx.helper.make_opsetid(VERIFY_DOMAIN, 1))
         store.externalize(whole)
@@ -242,7 +246,8 @@ def compile_model(contract: InputContract, role: str, work: Path, out: Path,
         done = rewrite(graph, contract, role, progress, opt_path, max_positions, lean)
         geo = _uniform(done.geometry, contract)
         cuts, after = cut_segments(graph)
-        segments, graph_file, weights_file = write_model(graph, cuts, role, out)
+    with progress.stage(f"write {role}"):
+        segments, graph_file, weights_file = write_model(graph, cuts, role, out, progress)
     ops = []
     for node in sorted((n for n in graph.nodes if n.op == VERIFY_OP),
                        key=lambda n: n.attrs["layer"]):
@@ -250,7 +255,7 @@ def compile_model(contract: InputContract, role: str, work: Path, out: Path,
         ops.append(VerifyOp(node.name, int(node.attrs["layer"]), q, k, v, node.outputs[0].name,
                             geo.num_heads, geo.num_kv_heads, geo.head_dim, node.attrs["scale"],
                             after[node.name], node.attrs.get("layout", "heads"),
-                            node.attrs["window"]))
+                            node.attrs["window"], float(node.attrs.get("softcap", 0.0))))
     report = {"ops_before": before, "ops_after": op_counts(graph.nodes), "passes": done.counts}
     return ModelSpec(
         role=role, num_layers=contract.num_layers, num_heads=geo.num_heads,

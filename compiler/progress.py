@@ -1,4 +1,5 @@
-"""Per-stage progress on stderr, with the timings kept for --json."""
+"""Per-stage progress on stderr, with the timings kept for --json; `tick` for the steps of a
+long loop (at most one line every TICK_S seconds). `--quiet` silences it."""
 
 from __future__ import annotations
 
@@ -7,15 +8,24 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+TICK_S = 2.0
+
 
 class Progress:
-    def __init__(self, quiet: bool = False):
-        self.quiet = quiet
+    def __init__(self, quiet: bool = False, prefix: str = "dsc"):
+        self.quiet, self.prefix = quiet, prefix
         self.timings: dict[str, float] = {}
+        self.last = time.perf_counter()
 
     def say(self, message: str) -> None:
+        self.last = time.perf_counter()
         if not self.quiet:
-            print(f"[dsc] {message}", file=sys.stderr, flush=True)
+            print(f"[{self.prefix}] {message}", file=sys.stderr, flush=True)
+
+    def tick(self, message: str) -> None:
+        """A loop's step: said when TICK_S seconds have passed since the last line."""
+        if time.perf_counter() - self.last >= TICK_S:
+            self.say(message)
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:

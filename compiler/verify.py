@@ -47,6 +47,7 @@ from dspark.compiler.contract import model_file
 from dspark.compiler.jitter import computes_in_float16, jittered
 from dspark.compiler.kv_rounding import kv_rounded
 from dspark.compiler.passes.token_quant import per_token_model
+from dspark.compiler.progress import Progress
 from dspark.compiler.reference import OriginalModel
 from dspark.runtime.bundle.bundle import Bundle
 from dspark.runtime.bundle.spec import ModelSpec
@@ -117,10 +118,12 @@ def chunk_plans(spec: ModelSpec, rng: np.random.Generator, seqs: int, steps: int
 
 
 def verify_model(bundle: Bundle, role: str, path: Path, seqs: int = 3, steps: int = 4,
-                 seed: int = 0, rtol: float = RTOL, kv_dtype: str | None = None
-                 ) -> VerifyReport:
+                 seed: int = 0, rtol: float = RTOL, kv_dtype: str | None = None,
+                 progress: Progress | None = None) -> VerifyReport:
     """`kv_dtype`: check the function of a float16 or int8 cache (`dsrun --kv-cache-dtype`),
-    against the original with its cache rounded the same way (compiler/kv_rounding.py)."""
+    against the original with its cache rounded the same way (compiler/kv_rounding.py).
+    `progress`: where the forwards' progress goes (stderr in `dsc verify`)."""
+    progress = progress or Progress(quiet=True)
     rng = np.random.default_rng(seed)
     path = model_file(path)
     original = OriginalModel(path)
@@ -146,7 +149,12 @@ def verify_model(bundle: Bundle, role: str, path: Path, seqs: int = 3, steps: in
     floor_seqs = len(plans) if original.token_by_token or half or rounding else seqs
     stepwise: list[list[np.ndarray]] = [[] for _ in plans]
     worst, beyond, tokens, agree = 0.0, 0.0, 0, 0
-    for k in range(max(len(p) for p in plans)):
+    forwards, longest = max(len(p) for p in plans), max(sum(p) for p in plans)
+    progress.say(f"verify {role}: {len(plans)} sequences, {forwards} forwards, up to "
+                 f"{longest} positions")
+    for k in range(forwards):
+        progress.tick(f"verify {role}: forward {k + 1}/{forwards}, {max(starts)} of "
+                      f"{longest} positions reached")
         live = [i for i, p in enumerate(plans) if k < len(p)]
         new = {i: [int(t) for t in rng.integers(0, spec.vocab_size, plans[i][k])] for i in live}
         batch = FlatBatch.build([SeqChunk(i, starts[i], tuple(new[i])) for i in live])
@@ -163,6 +171,7 @@ def verify_model(bundle: Bundle, role: str, path: Path, seqs: int = 3, steps: in
             agree += int((got[a:b].argmax(-1) == ref.argmax(-1)).sum())
             tokens += b - a
             starts[i] += b - a
+    progress.say(f"verify {role}: the original's own noise (whole prompts against chunks)")
     whole = _whole(original, half)
     noise = max(_chunking_noise(whole, history[i], stepwise[i]) for i in range(floor_seqs))
     noise = max(noise, _rounding_noise(path, original, history[:seqs]))

@@ -25,7 +25,8 @@ ARCHS = (80, 90)
 _VERIFY_ARGS = [
     ("Q", "*T"), ("K", "*T"), ("V", "*T"), ("O", "*T"), ("PartO", "*fp32"),
     ("PartLse", "*fp32"), ("BlockTables", "*i32"), ("SeqStart", "*i32"), ("SeqNew", "*i32"),
-    ("SeqQOff", "*i32"), ("scale", "fp32"), ("window", "i32"), ("stride_bt", "i32"),
+    ("SeqQOff", "*i32"), ("scale", "fp32"), ("window", "i32"), ("softcap", "fp32"),
+    ("stride_bt", "i32"),
     ("num_splits", "i32"), ("blocks_per_split", "i32"), ("UPCAST", "constexpr"),
     ("SPLIT", "constexpr")]
 KERNELS = {

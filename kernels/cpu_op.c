@@ -16,7 +16,8 @@
               (cpu_kv.c), bound as float32 of row bytes / 4
             5 tables [S, max_blocks], 6 starts [S], 7 qoffs [S], 8 news [S]  (int64)
    output   0 out [1,T,H*d] ("tokens") or [1,H,T,d] ("heads")
-   attrs    num_heads, num_kv_heads, head_dim (int), scale (float), layout ("tokens"|"heads",
+   attrs    num_heads, num_kv_heads, head_dim (int), scale (float), softcap (float, default
+            0: none; > 0: each score softcap * tanh(score / softcap)), layout ("tokens"|"heads",
             default "heads"), window (int, default 0: every earlier position), kv_dtype
             ("float32" (default), "float16", "int8": what a row holds; keys and values are
             stored so, then read back, by every query, its own included)
@@ -51,7 +52,7 @@ void dspark_set_solo(int on) { dspark_solo = on; }
 
 typedef struct {
   int64_t heads, kv_heads, dim, window;
-  float scale;
+  float scale, softcap; /* softcap 0: none */
   int tokens_layout, kind; /* kind: KV_FLOAT32, KV_FLOAT16 or KV_INT8 (cpu_kv.h) */
 } Kernel;
 
@@ -68,6 +69,7 @@ typedef struct {
   int64_t query_block, qblocks; /* work item = (sequence, KV head, query block) */
   int64_t window;                /* 0: every earlier position; W: the last W */
   float scale;
+  float softcap; /* > 0: scores become softcap * tanh(score / softcap) (Gemma 2) */
 } Call;
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -106,8 +108,10 @@ static inline const float *row_floats(const Call *c, const char *row, float *tmp
   return tmp;
 }
 
-/* row[0 .. limit-1] -> softmax of it, in place */
-static inline void softmax(float *row, int64_t limit) {
+/* row[0 .. limit-1] -> softmax of it (soft-capped first where cap > 0), in place */
+static inline void softmax(float *row, int64_t limit, float cap) {
+  if (cap > 0.0f)
+    for (int64_t i = 0; i < limit; i++) row[i] = tanhf(row[i] / cap) * cap;
   float top = row[0], total = 0.0f;
   for (int64_t i = 1; i < limit; i++) top = row[i] > top ? row[i] : top;
   for (int64_t i = 0; i < limit; i++) {
@@ -140,7 +144,7 @@ static void attend(const Call *c, int64_t s, int64_t g, int64_t j0, int64_t j1, 
   }
   for (int64_t r = 0; r < rows; r++) {
     const int64_t p = start + j0 + r / group, lo = first_key(c, p);
-    softmax(scores + r * length + lo, p + 1 - lo);
+    softmax(scores + r * length + lo, p + 1 - lo, c->softcap);
   }
   memset(acc, 0, (size_t)(rows * dim) * sizeof(float));
   for (int64_t i = first; i < length; i++) {
@@ -286,7 +290,7 @@ static inline __attribute__((always_inline)) void attend_group(
             sum16((k0 * q[u][0] + k1 * q[u][1]) + (k2 * q[u][2] + k3 * q[u][3])) * c->scale;
       i++;
     }
-    for (int64_t u = 0; u < group; u++) softmax(sc + u * length + lo, limit - lo);
+    for (int64_t u = 0; u < group; u++) softmax(sc + u * length + lo, limit - lo, c->softcap);
     vec16 acc[FAST_GROUP][4];
     memset(acc, 0, sizeof(acc));
     for (int64_t i = lo; i < limit; i++) {
@@ -390,7 +394,7 @@ static inline __attribute__((always_inline)) void attend_group(
         sc[u * length + i] = sum16_halves(dlo, dhi) * c->scale;
       }
     }
-    for (int64_t u = 0; u < group; u++) softmax(sc + u * length + lo, limit - lo);
+    for (int64_t u = 0; u < group; u++) softmax(sc + u * length + lo, limit - lo, c->softcap);
     for (int64_t half = 0; half < FAST_DIM; half += FAST_DIM / 2) {
       vec8 acc[FAST_GROUP][4];
       memset(acc, 0, sizeof(acc));
@@ -508,6 +512,12 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, const void *api,
   }
   if (!ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_INT64, IntAttr)(info, "window", &k->window)))
     k->window = 0; /* absent: every earlier position */
+  if (!ok(ORT(KERNEL_INFO_GET_ATTRIBUTE_FLOAT, FloatAttr)(info, "softcap", &k->softcap)))
+    k->softcap = 0.0f; /* absent: no soft-cap */
+  if (!(k->softcap >= 0.0f)) {
+    free(k);
+    return error("SpeculativeVerify: softcap must be >= 0");
+  }
   if (k->window < 0) {
     free(k);
     return error("SpeculativeVerify: window must be >= 0");
@@ -562,6 +572,7 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
   c.row_bytes = row_bytes;
   c.kind = k->kind;
   c.scale = k->scale;
+  c.softcap = k->softcap;
   c.window = k->window;
   c.q_tstride = k->tokens_layout ? k->heads * k->dim : k->dim;
   c.q_hstride = k->tokens_layout ? k->dim : tokens * k->dim;

@@ -6,6 +6,7 @@ both), plus the append of the new keys and values, for float32 arenas:
     for each sequence s (qoff, new, start): write k/v rows qoff..qoff+new-1 to the slots of
     positions start..start+new-1, then for each KV head g, over its keys 0..start+new-1:
         scores[j*group+u, i] = scale * q[qoff+j, g*group+u] . K[i]   (lo(p) <= i <= p)
+            (soft-capped where softcap > 0: softcap * tanh(score / softcap))
         out[qoff+j, g*group+u] = softmax(scores[j*group+u]) @ V
     where p = start+j and lo(p) = 0, or p-window+1 in a sliding-window layer.
 Each key and value row is read once per KV head for the whole head group and window,
@@ -41,7 +42,8 @@ def _first_key(position, window):  # pragma: no cover
 
 
 @numba.njit(cache=True, fastmath=True, nogil=True, boundscheck=False)
-def _attend(q, k_pool, v_pool, table, start, qoff, new, scale, window, out):  # pragma: no cover
+def _attend(q, k_pool, v_pool, table, start, qoff, new, scale, window, softcap,
+            out):  # pragma: no cover
     kv, bs, dim = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
     group = q.shape[1] // kv
     length = start + new
@@ -61,7 +63,10 @@ def _attend(q, k_pool, v_pool, table, start, qoff, new, scale, window, out):  # 
                     s = np.float32(0.0)
                     for x in range(dim):
                         s += head[x] * key[x]
-                    scores[j * group + u, i] = s * scale
+                    s *= scale
+                    if softcap > 0:
+                        s = softcap * np.float32(math.tanh(s / softcap))
+                    scores[j * group + u, i] = s
         for r in range(rows):
             limit = start + r // group + 1
             lo = _first_key(limit - 1, window)
@@ -90,21 +95,23 @@ def _attend(q, k_pool, v_pool, table, start, qoff, new, scale, window, out):  # 
 
 @numba.njit(cache=True, fastmath=True, nogil=True, boundscheck=False)
 def _verify_kernel(q, k_new, v_new, k_pool, v_pool, tables, starts, qoffs, news, seqs, scale,
-                   window, out):  # pragma: no cover
+                   window, softcap, out):  # pragma: no cover
     for s in seqs:
         _append(k_new, v_new, k_pool, v_pool, tables[s], starts[s], qoffs[s], news[s])
-        _attend(q, k_pool, v_pool, tables[s], starts[s], qoffs[s], news[s], scale, window, out)
+        _attend(q, k_pool, v_pool, tables[s], starts[s], qoffs[s], news[s], scale, window,
+                softcap, out)
 
 
 def cpu_verify_attention(q: np.ndarray, k_new: np.ndarray, v_new: np.ndarray,
                          k_pool: np.ndarray, v_pool: np.ndarray, tables: np.ndarray,
                          starts: np.ndarray, qoffs: np.ndarray, news: np.ndarray,
-                         seqs: np.ndarray, scale: float, out: np.ndarray, window: int = 0
-                         ) -> None:
+                         seqs: np.ndarray, scale: float, out: np.ndarray, window: int = 0,
+                         softcap: float = 0.0) -> None:
     """Append and attend the sequences `seqs` of the batch into `out` (their rows).
 
     q [T, heads, d], k_new/v_new [T, kv, d], pools [blocks, kv, block_size, d], all float32
     and C-contiguous; tables [sequences, max blocks], starts, qoffs, news, seqs int64.
-    `window`: the layer's attention window (0: every earlier position)."""
+    `window`: the layer's attention window (0: every earlier position); `softcap`: its
+    scores' soft-cap (0: none)."""
     _verify_kernel(q, k_new, v_new, k_pool, v_pool, tables, starts, qoffs, news, seqs,
-                   np.float32(scale), np.int64(window), out)
+                   np.float32(scale), np.int64(window), np.float32(softcap), out)

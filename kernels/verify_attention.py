@@ -21,6 +21,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from dspark.kernels.capped import capped_attention
 from dspark.kernels.library import KernelLibrary
 
 MAX_SPLITS = 32
@@ -30,8 +31,9 @@ MIN_SPLIT_BLOCKS = 4
 def verify_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                block_tables: torch.Tensor, start: torch.Tensor,
                                new: torch.Tensor, qoff: torch.Tensor, scale: float,
-                               window: int = 0) -> torch.Tensor:
-    """Gather each sequence's keys, then SDPA with a causal window mask, in fp32."""
+                               window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Gather each sequence's keys, then SDPA with a causal window mask, in fp32 (the
+    soft-capped scores' own attention where softcap > 0)."""
     out = torch.empty_like(q)
     bs = k_pool.shape[2]
     for s in range(len(start)):
@@ -41,10 +43,15 @@ def verify_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
         values = v_pool[blocks].transpose(0, 1).reshape(v_pool.shape[1], -1, v_pool.shape[3])
         kpos, qpos = torch.arange(length)[None, :], (int(start[s]) + torch.arange(n))[:, None]
         mask = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
-        o = F.scaled_dot_product_attention(
-            q[a:a + n].transpose(0, 1)[None].float(), keys[:, :length][None].float(),
-            values[:, :length][None].float(), attn_mask=mask.to(q.device), scale=scale,
-            enable_gqa=True)
+        if softcap:
+            o = capped_attention(q[a:a + n].transpose(0, 1).float(), keys[:, :length].float(),
+                                 values[:, :length].float(), mask.to(q.device), scale,
+                                 softcap)[None]
+        else:
+            o = F.scaled_dot_product_attention(
+                q[a:a + n].transpose(0, 1)[None].float(), keys[:, :length][None].float(),
+                values[:, :length][None].float(), attn_mask=mask.to(q.device), scale=scale,
+                enable_gqa=True)
         out[a:a + n] = o[0].transpose(0, 1).to(q.dtype)
     return out
 
@@ -63,7 +70,7 @@ def verify_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                      qoff: torch.Tensor, scale: float, library: KernelLibrary,
                      max_new: int | None = None, max_len: int | None = None,
                      splits: int | None = None, out: torch.Tensor | None = None,
-                     window: int = 0) -> torch.Tensor:
+                     window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Launch: grid (sequences, KV heads, window tiles x KV splits), then the reduce when
     split. `max_new`/`max_len` (longest window, longest cached + new) spare a device sync
     when given; `splits` overrides the heuristic (1 on the CPU). Index tensors are int32."""
@@ -83,16 +90,16 @@ def verify_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     grid = (len(start), spec.num_kv_heads, tiles * splits)
     if splits == 1:
         library.launch("verify_attention", grid, q, k_pool, v_pool, out, out, out,
-                       block_tables, start, new, qoff, scale, window, block_tables.stride(0),
-                       1, per_split, upcast, False)
+                       block_tables, start, new, qoff, scale, window, softcap,
+                       block_tables.stride(0), 1, per_split, upcast, False)
         return out
     part_o = torch.empty(q.shape[0], spec.num_heads, splits, spec.d_pad, dtype=torch.float32,
                          device=q.device)
     part_lse = torch.empty(q.shape[0], spec.num_heads, splits, dtype=torch.float32,
                            device=q.device)
     library.launch("verify_attention_split", grid, q, k_pool, v_pool, out, part_o, part_lse,
-                   block_tables, start, new, qoff, scale, window, block_tables.stride(0),
-                   splits, per_split, upcast, True)
+                   block_tables, start, new, qoff, scale, window, softcap,
+                   block_tables.stride(0), splits, per_split, upcast, True)
     library.launch("verify_reduce", (q.shape[0], spec.num_heads), part_o, part_lse, out, splits)
     return out
 

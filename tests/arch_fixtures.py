@@ -88,7 +88,7 @@ def more_config(arch: str):
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 512})
-    if arch == "gemma2":  # sliding layers of 8, no soft-capping (that one is refused)
+    if arch == "gemma2":  # sliding layers of 8, no soft-capping (build_capped_gemma2 has it)
         return t.Gemma2Config(**common, head_dim=16, sliding_window=SLIDING_WINDOW,
                               attn_logit_softcapping=None, final_logit_softcapping=None)
     if arch == "qwen2":
@@ -127,20 +127,49 @@ def more_config(arch: str):
     raise ValueError(arch)
 
 
-def build_more_archs(root: Path) -> dict[str, Path]:
-    """{arch: main.onnx} for MORE_ARCHS, exported once per recipe into root."""
+def _export_once(path: Path, config, form: str) -> Path:
+    """A random-init model of `config` (seed 1234) exported in `form` to `path`, unless there
+    already (written beside, then renamed: a failed export leaves nothing)."""
     from transformers import AutoModelForCausalLM
 
+    if not path.exists():
+        torch.manual_seed(1234)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        tmp = path.parent.with_suffix(".tmp")
+        export_causal_lm(model, tmp / path.name, form)
+        tmp.rename(path.parent)
+    return path
+
+
+def build_more_archs(root: Path) -> dict[str, Path]:
+    """{arch: main.onnx} for MORE_ARCHS, exported once per recipe into root."""
     folder = root / f"fixtures-{recipe_hash()}" / "more"
-    out = {arch: folder / arch / "main.onnx" for arch in MORE_ARCHS}
-    for arch, path in out.items():
-        if not path.exists():
-            torch.manual_seed(1234)
-            model = AutoModelForCausalLM.from_config(more_config(arch)).eval()
-            tmp = path.parent.with_suffix(".tmp")
-            export_causal_lm(model, tmp / "main.onnx", EXPORT_FORMS.get(arch, "classic"))
-            tmp.rename(path.parent)
-    return out
+    return {arch: _export_once(folder / arch / "main.onnx", more_config(arch),
+                               EXPORT_FORMS.get(arch, "classic")) for arch in MORE_ARCHS}
+
+
+# Gemma 2 as it ships: soft-capped attention scores and final logits (small caps here, 2 and
+# 3, so that the caps change what the model computes at these weights), sliding layers of 8
+# between global ones; both exporters.
+CAPPED_FORMS = ("classic", "dynamo")
+
+
+def capped_gemma2_config():
+    import transformers as t
+
+    return t.Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, sliding_window=SLIDING_WINDOW,
+                          max_position_embeddings=4096, initializer_range=0.25,
+                          attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                          attn_implementation="eager")
+
+
+def build_capped_gemma2(root: Path) -> dict[str, Path]:
+    """{form: main.onnx} of the soft-capped Gemma 2, exported once per recipe into root."""
+    folder = root / f"fixtures-{recipe_hash()}" / "gemma2-capped"
+    return {form: _export_once(folder / form / "main.onnx", capped_gemma2_config(), form)
+            for form in CAPPED_FORMS}
 
 
 # optimum's exporter itself (optimum-cli export onnx --task text-generation-with-past), in

@@ -48,13 +48,15 @@ def bidirectional_model(src: Path, path: Path) -> Path:
 
 
 def softcapped_model(src: Path, path: Path) -> Path:
-    """The eager export with Tanh soft-capping of its scores, which SpeculativeVerify lacks."""
+    """The eager export with a Tanh between each mask Add and its Softmax: the masked scores
+    squashed to [-1, 1], the mask with them (Gemma 2 caps before the mask)."""
     graph = gs.import_onnx(onnx.load(str(src)))
     for i, add in enumerate(_softmax_inputs(graph)):
+        softmax = add.outputs[0].outputs[0]
         capped = gs.Variable(f"/capped_{i}", dtype=np.float32)
-        graph.nodes.append(gs.Node("Tanh", f"/softcap_{i}/Tanh", inputs=[add.inputs[0]],
+        graph.nodes.append(gs.Node("Tanh", f"/softcap_{i}/Tanh", inputs=[add.outputs[0]],
                                    outputs=[capped]))
-        add.inputs[0] = capped
+        softmax.inputs[0] = capped
     onnx.save(gs.export_onnx(graph.toposort()), str(path))
     return path
 
@@ -152,17 +154,19 @@ def broken_guard_model(src: Path, path: Path, layer: int = 0) -> Path:
     return path
 
 
-def softcapped_gqa_model(folder: Path, dest: Path, layer: int = 1) -> Path:
-    """An onnxruntime-genai model folder whose layer `layer` GroupQueryAttention soft-caps its
-    scores (Gemma 2's softcap attribute), copied to `dest`."""
+def softcapped_gqa_model(folder: Path, dest: Path, layer: int | None = 1, cap: float = 50.0,
+                         attribute: str = "softcap") -> Path:
+    """An onnxruntime-genai model folder whose GroupQueryAttention at `layer` (None: every
+    layer) has `attribute` (Gemma 2's softcap by default) set to `cap`, copied to `dest`."""
     import shutil
 
     shutil.copytree(folder, dest)
     model = onnx.load(str(dest / "model.onnx"), load_external_data=False)
-    node = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"][layer]
-    for a in node.attribute:
-        if a.name == "softcap":
-            a.f = 50.0
+    nodes = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    for node in nodes if layer is None else [nodes[layer]]:
+        kept = [a for a in node.attribute if a.name != attribute]
+        del node.attribute[:]
+        node.attribute.extend([*kept, onnx.helper.make_attribute(attribute, cap)])
     onnx.save(model, str(dest / "model.onnx"))
     return dest
 

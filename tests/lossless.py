@@ -69,3 +69,24 @@ def check_self_drafted(bundle, path, forgiven: int = 1) -> None:
     original = OriginalModel(path)
     same = sum(got == original.greedy(p, 30) for p, got in zip(prompts, runs["plain"]))
     assert same >= len(prompts) - forgiven
+
+
+def assert_greedy_like_original(bundle, original, prompts: list[list[int]], max_new: int = 30,
+                                modes=((False, 1), (True, 4)), max_forks: int = 1) -> None:
+    """Batched, plain and with lookup drafts at each (speculative, window) of `modes`: the
+    same tokens each way, and the original's greedy tokens (at most `max_forks` near-tie
+    forks forgiven)."""
+    from dspark.runtime.engine.engine import Engine
+    from dspark.runtime.sequence.request import GenerationRequest
+
+    refs = [original.greedy(p, max_new) for p in prompts]
+    plain = None
+    for speculative, window in modes:
+        seqs = Engine(bundle, "fixed", window, max_batch=len(prompts)).generate(
+            [GenerationRequest(tuple(p), max_new, speculative=speculative, method="lookup")
+             for p in prompts])
+        plain = plain or [s.generated for s in seqs]
+        assert [s.generated for s in seqs] == plain, (speculative, window)
+        forks = [f for p, s, r in zip(prompts, seqs, refs)
+                 if (f := first_fork(s.generated, r, p, original, set(), s.finish_reason))]
+        assert len(forks) <= max_forks, (speculative, window, forks)

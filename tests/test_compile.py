@@ -138,6 +138,12 @@ def test_dsc_verify_cli(capsys, fixture_pairs, compiled):
     data = json.loads(r.out)
     assert data["ok"] and [m["role"] for m in data["models"]] == ["main", "draft"]
     assert all(m["max_abs_diff"] <= 1e-4 for m in data["models"])
+    # progress on stderr (the forwards' every 2 s at most), none with --quiet
+    assert "[dsc] verify main: " in r.err and "forwards, up to 2048 positions" in r.err
+    assert "[dsc] verify draft: the original's own noise" in r.err
+    r = run_dsc(capsys, "verify", compiled[("gpt2", "dynamo")], "--main", main, "--draft", draft,
+                "--quiet")
+    assert r.code == 0 and r.err == "", r.err
 
 
 def _perturbed(src, dst):
@@ -167,8 +173,10 @@ def test_dsc_compile_and_inspect_cli(capsys, fixture_pairs, tmp_path):
     out = tmp_path / "v41.dsmodel"
     r = run_dsc(capsys, "compile", main, draft, "-o", out, "--json")
     assert r.code == 0, r.err
-    for stage in ("optimize main", "verify-nodes main", "optimize draft", "layout", "kernels"):
+    for stage in ("optimize main", "verify-nodes main", "write main", "optimize draft",
+                  "layout", "kernels"):
         assert f"[dsc] {stage} done" in r.err
+    assert "[dsc] max_seq_len 2048: the default, 2048 (--max-seq-len sets it)" in r.err
     manifest = json.loads(r.out)
     assert manifest["format_version"] == BUNDLE_FORMAT_VERSION
     assert set(manifest["timings_s"]) >= {"layout"}

@@ -58,6 +58,24 @@ def test_cpu_verify_matches_reference(geometry, block, news, window):
     assert_close(t(out), want, 2e-5)
 
 
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("news", [[1], [3, 1, 8], [17, 2]])
+def test_cpu_verify_soft_caps_its_scores(news, window):
+    """Gemma 2's soft-cap (a small one, so that it changes the output)."""
+    dim, heads, kv = GEOMETRIES[0]
+    rng, _ = _seeded("cpu-softcap", news, window)
+    q, k, v, k_pool, v_pool, tables, starts, qoffs, lens = _case(rng, heads, kv, dim, 16, news)
+    q *= 3
+    out = np.full_like(q, np.nan)
+    cpu_verify_attention(q, k, v, k_pool, v_pool, tables, starts, qoffs, lens,
+                         np.arange(len(news), dtype=np.int64), dim ** -0.5, out, window, 1.5)
+    t = torch.from_numpy
+    args = (t(q), t(k_pool), t(v_pool), t(tables), t(starts), t(lens), t(qoffs), dim ** -0.5,
+            window)
+    assert_close(t(out), verify_attention_reference(*args, 1.5), 2e-5)
+    assert not torch.allclose(t(out), verify_attention_reference(*args), atol=1e-3)
+
+
 def test_cpu_verify_leaves_other_sequences_alone():
     """Only the chosen sequences are appended and attended (the others take the
     onnxruntime path in the same forward)."""

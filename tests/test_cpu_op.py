@@ -95,6 +95,29 @@ def test_op_matches_reference(library, geometry, block, news, layout, window):
     assert_close(t(np.ascontiguousarray(got)).reshape(q.shape), want, 2e-5)
 
 
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("news", [[1], [3, 1, 8], [150, 3]])
+@pytest.mark.parametrize("geometry", [GEOMETRIES[0], FAST_GEOMETRIES[0]],
+                         ids=lambda g: f"d{g[0]}h{g[1]}kv{g[2]}")
+def test_op_soft_caps_its_scores(library, geometry, news, window):
+    """Gemma 2's `softcap` attribute on every path of the op (each machine path, head_dim
+    64's fast one, a prefill's query blocks); a small cap, so that it changes the output."""
+    dim, heads, kv = geometry
+    rng, _ = _seeded("ort-op-softcap", geometry, news, window)
+    q, k, v, k_pool, v_pool, tables, starts, qoffs, lens = _case(rng, heads, kv, dim, 16, news)
+    q *= 3
+    sess = _op_session(library, heads, kv, dim, "tokens", window=window, softcap=1.5)
+    [out] = sess.run(["out"], dict(zip(FEEDS, (
+        _graph_view(q, "tokens"), _graph_view(k, "tokens"), _graph_view(v, "tokens"), k_pool,
+        v_pool, tables, starts, qoffs, lens))))
+    t = torch.from_numpy
+    args = (t(q), t(k_pool), t(v_pool), t(tables), t(starts), t(lens), t(qoffs), dim ** -0.5,
+            window)
+    got = t(np.ascontiguousarray(out[0])).reshape(q.shape)
+    assert_close(got, verify_attention_reference(*args, 1.5), 2e-5)
+    assert not torch.allclose(got, verify_attention_reference(*args), atol=1e-3)
+
+
 @pytest.mark.parametrize("span", [0, 4])
 @pytest.mark.parametrize("layout", ["tokens", "heads"])
 @pytest.mark.parametrize("geometry", FAST_GEOMETRIES, ids=lambda g: f"d{g[0]}h{g[1]}kv{g[2]}")

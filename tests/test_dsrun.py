@@ -37,6 +37,14 @@ def test_generate_text_chat_and_stop(capsys, tok_bundle):
     r = run_dsrun(capsys, "generate", "--model", tok_bundle, "--chat", "hello world",
                   "--max-tokens", "12", "--json")
     assert r.code == 0, r.err
+    phases = [line for line in r.err.splitlines() if line.startswith("[dsrun]")]
+    assert [p.split(" in ")[0] for p in phases] == [
+        "[dsrun] bundle opened, its files checked", "[dsrun] sessions built, the KV cache "
+        "allocated", "[dsrun] warmed up (the cost table measured)"], r.err
+    quiet = run_dsrun(capsys, "generate", "--model", tok_bundle, "--chat", "hello world",
+                      "--max-tokens", "12", "--json", "--quiet")
+    assert quiet.code == 0 and quiet.err == ""
+    assert json.loads(quiet.out)["token_ids"] == json.loads(r.out)["token_ids"]
     out = json.loads(r.out)
     assert out["text"] and len(out["token_ids"]) == 12
     first = out["text"].split()[1]
@@ -55,7 +63,8 @@ def test_generate_text_chat_and_stop(capsys, tok_bundle):
 
 def _refused(r, *fragments):
     assert r.code == 2, (r.code, r.out, r.err)
-    assert "Traceback" not in r.err and len([x for x in r.err.splitlines() if x]) <= 3, r.err
+    lines = [x for x in r.err.splitlines() if x and not x.startswith("[dsrun]")]  # progress
+    assert "Traceback" not in r.err and len(lines) <= 3, r.err
     for f in fragments:
         assert f in r.err, (f, r.err)
 

@@ -109,13 +109,29 @@ def test_a_group_query_attention_it_cannot_map_is_refused(capsys, genai_models, 
     import bad_models
     from cli_helpers import run_dsc
 
-    model = bad_models.softcapped_gqa_model(genai_models["llama-fp32"], tmp_path / "capped")
+    model = bad_models.softcapped_gqa_model(genai_models["llama-fp32"], tmp_path / "sunk",
+                                            cap=1, attribute="smooth_softmax")
     r = run_dsc(capsys, "compile", model, "-o", tmp_path / "b.dsmodel")
     assert r.code == 2 and "Traceback" not in r.err
     line = r.err.strip().splitlines()[-1]
     assert "layer 1" in line and "/model/layers.1/attn/GroupQueryAttention" in line
-    assert "softcap=50.0 is not supported" in line
+    assert "smooth_softmax=1 is not supported" in line
     assert not (tmp_path / "b.dsmodel").exists()
+
+
+def test_a_group_query_attention_softcap_compiles_and_verifies(genai_models, tmp_path):
+    """onnxruntime-genai writes Gemma 2's cap as GroupQueryAttention's `softcap`: here set on
+    every layer of its Llama (2.0, so that it shows), the original run by onnxruntime."""
+    import bad_models
+
+    folder = bad_models.softcapped_gqa_model(genai_models["llama-fp32"], tmp_path / "capped",
+                                             layer=None, cap=2.0)
+    bundle = open_bundle(compiled(CompileOptions(folder, None, tmp_path / "b.dsmodel",
+                                                 max_seq_len=64, kv_budget_mb=8)))
+    assert {op.softcap for op in bundle.model("main").verify_ops} == {2.0}
+    report = verify_model(bundle, "main", folder, seqs=3, steps=3)
+    assert report.ok(1e-3) and report.max_abs_diff <= 1e-4, report
+    assert report.argmax_agree == 1.0, report
 
 
 def test_an_fp16_cpu_build_is_refused_naming_its_attention(capsys, genai_models, tmp_path):

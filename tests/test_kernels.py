@@ -109,6 +109,27 @@ def test_verify_attention_honours_a_sliding_window(geometry, span, splits, kerne
     assert not torch.allclose(got, full)  # the window cut something
 
 
+@pytest.mark.parametrize(("span", "splits"), [(0, 1), (5, 1), (0, 3), (5, 3)])
+def test_verify_attention_soft_caps_its_scores(span, splits, kernel_device, tmp_path):
+    """Gemma 2's soft-cap, cap * tanh(score / cap), before the mask, in and out of a window
+    and across splits; a small cap, so that it changes the output."""
+    head_dim, heads, kv_heads = GEOMETRIES[0]
+    spec = KernelSpec(head_dim, heads, kv_heads, 16, "float32", q_tile=8)
+    rng, gen = _seeded("softcap", span, splits)
+    tables, start, new, qoff, tokens = _batch(rng, spec, 8, long=splits > 1)
+    dev = kernel_device
+    k, v = (torch.randn(48, kv_heads, 16, head_dim, generator=gen).to(dev) for _ in range(2))
+    q = 3 * torch.randn(tokens, heads, head_dim, generator=gen).to(dev)
+    tables, start, new, qoff = (x.to(dev) for x in (tables, start, new, qoff))
+    library = KernelLibrary(spec, str(tmp_path), interpret=dev.type == "cpu")
+    got = verify_attention(q, k, v, tables, start, new, qoff, 0.25, library, splits=splits,
+                           window=span, softcap=1.5)
+    want = verify_attention_reference(q, k, v, tables, start, new, qoff, 0.25, span, 1.5)
+    assert_close(got, want, TOLERANCE["float32"])
+    uncapped = verify_attention_reference(q, k, v, tables, start, new, qoff, 0.25, span)
+    assert not torch.allclose(got, uncapped, atol=1e-3)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("head_dim", [16, 24, 64])
 def test_kv_inject_and_zero_match_reference(head_dim, dtype, kernel_device, tmp_path):

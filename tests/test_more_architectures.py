@@ -67,14 +67,39 @@ def test_a_mixture_of_experts_exports_its_routing_not_the_traces(mains, arch):
 
 def test_a_position_table_shorter_than_the_limit_is_refused_with_its_length(capsys, mains,
                                                                              tmp_path):
-    """GPT-2's 1024 learned positions at the default --max-seq-len 2048: one line, the file
-    named once, onnxruntime's reason and the longest length that runs."""
+    """GPT-2's 1024 learned positions at --max-seq-len 2048: one line, the file named once,
+    onnxruntime's reason and the longest length that runs."""
     from cli_helpers import run_dsc
 
-    r = run_dsc(capsys, "compile", mains["gpt2"], "-o", tmp_path / "b.dsmodel")
+    r = run_dsc(capsys, "compile", mains["gpt2"], "-o", tmp_path / "b.dsmodel",
+                "--max-seq-len", "2048")
     assert r.code == 2 and "Traceback" not in r.err, r.err
     line = r.err.strip().splitlines()[-1]
     assert "the model does not run at 2048 positions (onnxruntime: indices" in line
     assert "compile with --max-seq-len 1024 or less" in line
     assert line.count(str(mains["gpt2"])) == 1
     assert not (tmp_path / "b.dsmodel").exists()
+
+
+def test_the_default_length_is_the_models_own_limit(capsys, mains, tmp_path):
+    """Without --max-seq-len GPT-2 compiles at the 1024 positions it runs, and says so; a
+    config.json beside a model names its limit before any probe."""
+    import shutil
+
+    from dspark.runtime.bundle.bundle import open_bundle
+
+    from cli_helpers import run_dsc
+
+    r = run_dsc(capsys, "compile", mains["gpt2"], "-o", tmp_path / "b.dsmodel")
+    assert r.code == 0, r.err
+    assert "max_seq_len 1024: the most the models run" in r.err
+    assert open_bundle(tmp_path / "b.dsmodel").model("main").max_positions == 1024
+    folder = tmp_path / "with-config"
+    folder.mkdir()
+    shutil.copy(mains["gpt2"], folder / "model.onnx")
+    (folder / "config.json").write_text('{"model_type": "gpt2", "n_positions": 512}')
+    r = run_dsc(capsys, "compile", folder / "model.onnx", "-o", tmp_path / "c.dsmodel")
+    assert r.code == 0, r.err
+    assert f"max_seq_len 512: {folder / 'config.json'} n_positions = 512" in r.err
+    assert "compiling again" not in r.err
+    assert open_bundle(tmp_path / "c.dsmodel").model("main").max_positions == 512

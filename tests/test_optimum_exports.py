@@ -7,14 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from arch_fixtures import OPTIMUM_ARCHS, build_optimum_exports
-from lossless import first_fork
+from lossless import assert_greedy_like_original
 
 from dspark.compiler.compile import CompileOptions
 from dspark.compiler.reference import OriginalModel
 from dspark.compiler.verify import verify_model
 from dspark.runtime.bundle.bundle import open_bundle
-from dspark.runtime.engine.engine import Engine
-from dspark.runtime.sequence.request import GenerationRequest
 
 from bundle_cache import compiled
 
@@ -42,17 +40,6 @@ def test_an_optimum_export_generates_its_own_greedy_tokens(exports, arch, tmp_pa
     forgiven). Qwen 3 MoE runs experts that no token of a forward picked (empty tensors)."""
     bundle = open_bundle(compiled(CompileOptions(exports[arch], None, tmp_path / "b.dsmodel",
                                                  max_seq_len=512, kv_budget_mb=8)))
-    original = OriginalModel(exports[arch])
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(0, 300, n)] for n in (1, 5, 13, 40)]
-    refs = [original.greedy(p, 30) for p in prompts]
-    plain = None
-    for speculative, window in ((False, 1), (True, 4)):
-        seqs = Engine(bundle, "fixed", window, max_batch=4).generate(
-            [GenerationRequest(tuple(p), 30, speculative=speculative, method="lookup")
-             for p in prompts])
-        plain = plain or [s.generated for s in seqs]
-        assert [s.generated for s in seqs] == plain, speculative
-        forks = [f for p, s, r in zip(prompts, seqs, refs)
-                 if (f := first_fork(s.generated, r, p, original, set(), s.finish_reason))]
-        assert len(forks) <= 1, forks
+    assert_greedy_like_original(bundle, OriginalModel(exports[arch]), prompts)

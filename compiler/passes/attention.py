@@ -43,6 +43,7 @@ class SpanSource:
     scores: str | None = None  # eager: the raw scores Q.K^T
     masked: str | None = None  # eager: Softmax's input; Attention: its mask input (or None)
     factor: float = 1.0  # eager: the scale applied between `scores` and `masked`
+    softcap: float = 0.0  # eager: the soft-cap after the scale (0: none)
     causal: bool = False  # Attention: is_causal=1 (upper-left aligned, as ONNX defines it)
 
 
@@ -56,6 +57,7 @@ class AttentionMatch:
     terminal: gs.Node  # the node producing `out`
     scale: float | None  # None: the ONNX Attention default, 1/sqrt(head_dim)
     span: SpanSource | None = None
+    softcap: float = 0.0  # scores soft-capped (Gemma 2): softcap * tanh(score / softcap)
 
 
 @dataclass
@@ -176,7 +178,8 @@ def _eager(chain_k: _Chain, chain_v: _Chain, k_new, v_new, contract, layer) -> A
     if perms != [SWAP_LAST]:
         raise fail(f"the key's path to {score.op} node '{score.name}' transposes {perms}, "
                    "expected one swap of the last two axes")
-    softmax, factor, mask = scores_to_softmax(score, fail)
+    scores = scores_to_softmax(score, fail)
+    softmax, factor = scores.softmax, scores.scale
     t = probabilities(softmax.out)
     out_mm = chain_v.end
     narrowing = [n for n in live_consumers(t) if n.op == "Cast" and not widening(n)]
@@ -196,11 +199,12 @@ def _eager(chain_k: _Chain, chain_v: _Chain, k_new, v_new, contract, layer) -> A
         raise fail(f"MatMul '{score.name}' or '{out_mm.name}' multiplies float16 tensors "
                    f"({half[0]}): an attention computed in float16 rounds its scores, "
                    "which SpeculativeVerify does not reproduce")
-    span = SpanSource(mask, scores=score.outputs[0].name, masked=softmax.inp.name,
-                      factor=factor)
+    span = SpanSource(scores.mask, scores=score.outputs[0].name, masked=softmax.inp.name,
+                      factor=factor, softcap=scores.softcap)
     q, q_factor = _unscaled(score.inputs[0])
     return AttentionMatch(layer, q, k_new, v_new, out_mm.outputs[0], out_mm,
-                          factor * chain_k.factor * q_factor * _alpha(score), span)
+                          factor * chain_k.factor * q_factor * _alpha(score), span,
+                          scores.softcap)
 
 
 def _matmul(n: gs.Node, trans_b_ok: bool) -> bool:

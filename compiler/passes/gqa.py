@@ -51,7 +51,7 @@ _UNSUPPORTED_INPUTS = ("position_ids", "attention_bias", "head_sink", "k_scale",
 # attribute -> the values it may have (the defaults onnxruntime writes included)
 # (sliding_window_cache 1: a window-sized cache, how the node stores its past, not what
 # it attends to; the runtime owns the cache)
-_SUPPORTED_ATTRS = {"softcap": (0.0,), "smooth_softmax": (-1, 0), "qk_output": (0,),
+_SUPPORTED_ATTRS = {"smooth_softmax": (-1, 0), "qk_output": (0,),
                     "causal": (1,), "sliding_window_cache": (0, 1), "k_quant_type": ("NONE",),
                     "v_quant_type": ("NONE",)}
 
@@ -67,6 +67,7 @@ class GqaLayer:
     rotary: bool
     interleaved: bool
     cache_rows: int  # the fewest rows its past buffer may have (a window-sized cache's window)
+    softcap: float = 0.0  # Gemma 2's: softcap * tanh(scale * q.k / softcap); 0: none
 
 
 def gqa_nodes(graph: gs.Graph) -> list[gs.Node]:
@@ -99,10 +100,13 @@ def read_layer(node: gs.Node, head_dim: int, path: Path) -> GqaLayer:
             raise _fail(path, layer, node, f"its {what} input is not supported")
     heads, kv = int(a["num_heads"]), int(a["kv_num_heads"])
     scale = float(a.get("scale", 0.0)) or 1.0 / math.sqrt(head_dim)
+    softcap = float(a.get("softcap", 0.0))
+    if softcap < 0:
+        raise _fail(path, layer, node, f"softcap={softcap} is negative")
     window = int(a.get("local_window_size", -1))
     return GqaLayer(node, layer, heads, kv, head_dim, scale, int(a.get("do_rotary", 0)) == 1,
                     int(a.get("rotary_interleaved", 0)) == 1,
-                    max(window, 0) if int(a.get("sliding_window_cache", 0)) else 0)
+                    max(window, 0) if int(a.get("sliding_window_cache", 0)) else 0, softcap)
 
 
 # -- the window, measured on a one-node model ---------------------------------------------
@@ -239,7 +243,8 @@ def replace_gqa(graph: gs.Graph, layers: list[GqaLayer], windows: list[int], rol
         graph.nodes.append(gs.Node(
             VERIFY_OP, name, {"layer": g.layer, "num_heads": g.heads,
                               "num_kv_heads": g.kv_heads, "head_dim": g.head_dim,
-                              "scale": g.scale, "window": int(window), "layout": "tokens"},
+                              "scale": g.scale, "window": int(window), "layout": "tokens",
+                              **({"softcap": g.softcap} if g.softcap else {})},
             inputs=[q, k, v], outputs=[out], domain=VERIFY_DOMAIN))
         replace_uses(graph, g.node.outputs[0], out)
         g.node.outputs.clear()

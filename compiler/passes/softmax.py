@@ -98,13 +98,34 @@ def _inlined_softmax(t: gs.Variable) -> Softmax | None:
     return None if div is None else Softmax(div.name or div.outputs[0].name, t, div.outputs[0])
 
 
-def scores_to_softmax(score: gs.Node, fail) -> tuple[Softmax, float, str]:
-    """Walk scores -> Softmax through scale and mask ops; returns (Softmax, scale factor,
-    the first mask node's name, or the Softmax's when there is none)."""
-    t, factor, mask = score.outputs[0], 1.0, None
+@dataclass(frozen=True)
+class ScoreWalk:
+    """What lies between the scores and the Softmax: score -> softcap * tanh(scale * score /
+    softcap) (softcap 0: scale * score), then the mask (`mask`: its first node's name, or
+    the Softmax's when there is none)."""
+
+    softmax: Softmax
+    scale: float
+    mask: str
+    softcap: float = 0.0
+
+
+def scores_to_softmax(score: gs.Node, fail) -> ScoreWalk:
+    """Walk scores -> Softmax through scale, soft-cap and mask ops. A soft-cap is Gemma 2's
+    scale steps -> Tanh -> scale steps: the factor after the Tanh is the cap (the scale is
+    both factors' product); it must come before the mask (a mask under a Tanh is a bias)."""
+    t, factor, mask, before = score.outputs[0], 1.0, None, None  # before: the Tanh's factor
+
+    def walk(softmax: Softmax) -> ScoreWalk:
+        if before is None:
+            return ScoreWalk(softmax, factor, mask or softmax.name)
+        if factor <= 0:
+            raise fail(f"the soft-cap's factor after its Tanh is {factor:g}, not a cap > 0")
+        return ScoreWalk(softmax, before * factor, mask or softmax.name, factor)
+
     while True:
         if (inlined := _inlined_softmax(t)) is not None:
-            return inlined, factor, mask or inlined.name
+            return walk(inlined)
         users = live_consumers(t)
         if len(users) != 1:
             raise fail(f"scores {t.name} have {len(users)} consumers")
@@ -113,11 +134,14 @@ def scores_to_softmax(score: gs.Node, fail) -> tuple[Softmax, float, str]:
         if n.op == "Softmax":
             if n.attrs.get("axis", -1) not in (-1, 3):
                 raise fail(f"Softmax '{n.name}' is not over the key axis")
-            return Softmax(n.name, t, n.outputs[0]), factor, mask or n.name
+            return walk(Softmax(n.name, t, n.outputs[0]))
         if step is not None:
             factor *= step
         elif n.op == "Tanh":
-            raise fail(f"soft-capped attention (Tanh node '{n.name}') is not supported")
+            if mask is not None or before is not None:
+                raise fail(f"Tanh node '{n.name}' soft-caps scores already "
+                           + ("masked" if mask is not None else "soft-capped"))
+            before, factor = factor, 1.0
         elif n.op == "Cast" and not widening(n):
             raise fail(f"Cast node '{n.name}' rounds the scores before the Softmax")
         elif n.op not in ("Add", "Where", "Cast"):

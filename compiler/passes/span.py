@@ -27,9 +27,10 @@ from pathlib import Path
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from dspark.compiler.max_length import LengthLimitError
 from dspark.compiler.passes.attention import AttentionMatch, SpanSource
 from dspark.compiler.passes.probe import PROBE_SHAPES, Prober, ProbeRunError, ProbeShape
-from dspark.runtime.errors import ModelInputError, UnmappableAttentionError
+from dspark.runtime.errors import UnmappableAttentionError
 
 MASKED = 1e4  # how far below its score a masked key must be pushed (exp(-1e4) is 0)
 LONG_NEW = 4  # query rows of the long probe
@@ -97,6 +98,8 @@ def _rows(x: np.ndarray, shape: ProbeShape, what: str, fail) -> np.ndarray:
 
 def _visible_eager(span: SpanSource, sample: dict, shape: ProbeShape, fail) -> np.ndarray:
     scores = _rows(sample[span.scores], shape, "score", fail).astype(np.float64) * span.factor
+    if span.softcap:
+        scores = span.softcap * np.tanh(scores / span.softcap)
     pre = _rows(sample[span.masked], shape, "Softmax input", fail).astype(np.float64)
     kept = np.abs(pre - scores) <= 1e-5 * np.abs(scores) + 1e-6
     masked = pre <= scores - MASKED
@@ -170,9 +173,9 @@ def _check_length(prober: Prober, path: Path, length: int) -> None:
     while bad - good > 1:
         mid = (good + bad) // 2
         good, bad = (mid, bad) if _runs(prober, mid) is None else (good, mid)
-    raise ModelInputError(
+    raise LengthLimitError(
         f"{path}: the model does not run at {length} positions (onnxruntime: {error[:200]}); "
-        f"it runs up to {good}: compile with --max-seq-len {good} or less")
+        f"it runs up to {good}: compile with --max-seq-len {good} or less", good)
 
 
 # A prefill across a window exposes [heads, W, W] scores twice: above this window the steps

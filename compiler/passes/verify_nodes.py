@@ -77,7 +77,8 @@ def insert_verify_nodes(graph: gs.Graph, matches: list[AttentionMatch],
             op=VERIFY_OP, name=name, domain=VERIFY_DOMAIN,
             attrs={"layer": m.layer, "num_heads": geo.num_heads,
                    "num_kv_heads": geo.num_kv_heads, "head_dim": geo.head_dim,
-                   "scale": float(scale), "window": int(window)},
+                   "scale": float(scale), "window": int(window),
+                   **({"softcap": float(m.softcap)} if m.softcap else {})},
             inputs=[q, k, v], outputs=[out],
         )
         replace_uses(graph, m.out, out)

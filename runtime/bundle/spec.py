@@ -28,7 +28,9 @@ class VerifyOp:
     token, head, dim) and out is [1, T, num_heads * head_dim]. The op appends k_new/v_new to
     layer `layer` of the cache and attends each new token over its own sequence's positions
     up to and including itself: all of them (window 0), or the last `window` (a sliding
-    window layer: the query at position p sees p-window+1 .. p).
+    window layer: the query at position p sees p-window+1 .. p). A score is scale * q . k,
+    soft-capped to softcap * tanh(score / softcap) where softcap > 0 (Gemma 2), before the
+    mask and the softmax.
     """
 
     name: str
@@ -44,6 +46,7 @@ class VerifyOp:
     after_segment: int
     layout: str = "heads"
     window: int = 0
+    softcap: float = 0.0  # 0: none
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:

@@ -25,8 +25,13 @@ device_option = click.option(
     help="cuda when a GPU and onnxruntime-gpu are present, else cpu; force either")
 
 
+def say(message: str) -> None:
+    click.echo(f"[dsrun] {message}", err=True)
+
+
 def kv_options(fn):
-    """The KV cache's flags, shared by serving, generate and bench (a KVOptions as `kv`)."""
+    """The loading flags, shared by serving, generate and bench: the KV cache's (a KVOptions
+    as `kv`) and --quiet (`say`: where the load's progress lines go, None when quiet)."""
     from dspark.runtime.cache.layout import KV_DTYPES
 
     options = [
@@ -40,15 +45,17 @@ def kv_options(fn):
                      help="compute every prompt's KV (no reuse between requests)"),
         click.option("--max-seq-len", type=click.IntRange(min=1),
                      help="the longest prompt + output served (default: the bundle's)"),
+        click.option("--quiet", "-q", is_flag=True,
+                     help="no progress lines on stderr while loading"),
     ]
     for option in reversed(options):
         fn = option(fn)
 
-    def wrapped(*args, kv_memory, kv_dtype, no_prefix_cache, max_seq_len, **kwargs):
+    def wrapped(*args, kv_memory, kv_dtype, no_prefix_cache, max_seq_len, quiet, **kwargs):
         from dspark.runtime.engine.loader import KVOptions
 
         return fn(*args, kv=KVOptions(kv_memory, kv_dtype, not no_prefix_cache, max_seq_len),
-                  **kwargs)
+                  say=None if quiet else say, **kwargs)
     return functools.update_wrapper(wrapped, fn)
 
 
@@ -84,13 +91,13 @@ def serve_options(fn):
 
 
 def _serve(model: Path, host, port, api_key, max_batch, max_queue, max_body_mb, no_warmup,
-           drain_s, config_path, policy, name, device, kv) -> None:
+           drain_s, config_path, policy, name, device, kv, say) -> None:
     from dspark.runtime.server.run import serve
 
     click.echo(f"[dsrun] serving {model} on http://{host}:{port}/v1", err=True)
     serve(model, host, port, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
           max_body_bytes=int(max_body_mb * 2**20), warmup=not no_warmup, config=config_path,
-          policy=policy, name=name, device=device, drain_s=drain_s, kv=kv)
+          policy=policy, name=name, device=device, drain_s=drain_s, kv=kv, say=say)
 
 
 @click.group(invoke_without_command=True,
@@ -172,13 +179,13 @@ def result_dict(seq: Sequence, tokenizer, elapsed: float) -> dict:
 def generate(model: Path, prompt, prompt_ids, chat, max_tokens: int, temperature: float,
              top_p: float, top_k: int, seed, stop, window, policy, config_path, tenant: str,
              no_speculative: bool, schema_path, drafter, device: str, as_json: bool,
-             kv) -> None:
+             kv, say) -> None:
     """Generate one completion from a bundle."""
     from dspark.runtime.engine.loader import load_engine
 
     grammar = _schema_grammar(schema_path) if schema_path is not None else None
     engine, tokenizer = load_engine(model, window, policy=policy, config=config_path,
-                                    device=device, kv=kv)
+                                    device=device, kv=kv, say=say)
     ids = _prompt_ids(tokenizer, prompt, prompt_ids, chat)
     if grammar is not None:
         if engine.grammars is None:
@@ -226,32 +233,32 @@ def generate(model: Path, prompt, prompt_ids, chat, max_tokens: int, temperature
 @kv_options
 def bench(model: Path, prompts, max_tokens: int, repeats: int, window, policy, policies,
           config_path, as_json: bool, plot, profile: bool, context: int, verify_tokens: int,
-          background_load: bool, drafter, device: str, kv) -> None:
+          background_load: bool, drafter, device: str, kv, say) -> None:
     """Speculative vs plain decoding on the same prompts, interleaved, in one process."""
     from dspark.runtime.cli.bench import busy_core
 
     with busy_core(background_load):
         _bench(model, prompts, max_tokens, repeats, window, policy, policies, config_path,
                as_json, plot, (context, verify_tokens) if profile else None, drafter, device,
-               kv)
+               kv, say)
 
 
 def _bench(model: Path, prompts, max_tokens: int, repeats: int, window, policy, policies,
            config_path, as_json: bool, plot, profile: tuple[int, int] | None, drafter,
-           device: str, kv) -> None:
+           device: str, kv, say) -> None:
     from dspark.runtime.cli.bench import (
         format_report,
         format_sweep,
-        load_prompts,
         parse_modes,
         plot_report,
         run_bench,
         run_sweep,
     )
     from dspark.runtime.engine.loader import load_engine
+    from dspark.runtime.sequence.prompt import load_prompts
 
     engine, tokenizer = load_engine(model, window, policy=policy, config=config_path,
-                                    device=device, kv=kv)
+                                    device=device, kv=kv, say=say)
     if profile:
         from dspark.runtime.cli.profile import format_profile, profile_engine
 

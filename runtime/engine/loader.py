@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,18 +32,23 @@ class KVOptions:
 def load_engine(model: Path, window: int | None = None, max_batch: int = 16,
                 policy: str | None = None, config: Path | DFlashConfig | None = None,
                 warmup: bool = True, device: str = "auto", watch: bool = True,
-                kv: KVOptions | None = None) -> tuple[Engine, BundleTokenizer | None]:
+                kv: KVOptions | None = None, say: Callable[[str], None] | None = None
+                ) -> tuple[Engine, BundleTokenizer | None]:
     """`window` alone means the fixed policy at that window; `policy` picks one by name.
     `config` (a file, or a config already validated) replaces the bundle's
     dflash_config.json; the file is hot-reloaded unless `watch` is off (dsrun cluster pushes
     configs to its replicas instead). `device`: auto, cpu or cuda. `kv`: the KV cache's
-    size, dtype, prefix caching and longest sequence."""
+    size, dtype, prefix caching and longest sequence. `say`: where each load phase's line
+    goes (dsrun: stderr)."""
     kv = kv or KVOptions()
+    phase = _Phases(say)
     init_threads()
     given = config if isinstance(config, DFlashConfig) else None
     config = None if given is not None else config
+    phase("bundle opened, its files checked")
     bundle = open_bundle(model, config_path=config)
     tokenizer = load_tokenizer(bundle.tokenizer_dir)
+    phase("sessions built, the KV cache allocated")
     policy = policy or ("fixed" if window else None)
     engine = Engine(bundle, policy, window, max_batch,
                     eos_ids=tuple(sorted(tokenizer.eos_ids)) if tokenizer else (),
@@ -52,5 +59,20 @@ def load_engine(model: Path, window: int | None = None, max_batch: int = 16,
     if watch:
         engine.watch(config or bundle.path(CONFIG_FILE))
     if warmup:
+        phase("warmed up (the cost table measured)")
         engine.warmup()
+    phase(None)
     return engine, tokenizer
+
+
+class _Phases:
+    """Each call ends the phase before it: its line, with its seconds, goes to `say`."""
+
+    def __init__(self, say: Callable[[str], None] | None):
+        self.say, self.name, self.t0 = say, None, time.perf_counter()
+
+    def __call__(self, name: str | None) -> None:
+        now = time.perf_counter()
+        if self.say is not None and self.name is not None:
+            self.say(f"{self.name} in {now - self.t0:.1f}s")
+        self.name, self.t0 = name, now

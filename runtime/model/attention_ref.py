@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dspark.kernels.capped import capped_attention
 from dspark.runtime.bundle.spec import VerifyOp
 from dspark.runtime.model.batch import FlatBatch
 from dspark.runtime.model.contiguous_cache import ContiguousKVCache
@@ -28,16 +29,20 @@ def causal_window_mask(start: int, n: int, window: int = 0) -> torch.Tensor:
 
 
 def verify_attention(q: torch.Tensor, cache: ContiguousKVCache, layer: int, batch: FlatBatch,
-                     scale: float, window: int = 0) -> torch.Tensor:
+                     scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q: [heads, T, head_dim] -> [heads, T, head_dim]; the cache already holds the new K/V.
     A float16 cache under a float32 q (a float16 model, its attention run in float32) is
-    read up to q's type."""
+    read up to q's type. `softcap` > 0: scores soft-capped before the mask (Gemma 2)."""
     out = torch.empty_like(q)
     for i in range(batch.num_seqs):
         a, b = batch.seq_range(i)
         start = int(batch.starts[i])
         k, v = cache.read(layer, int(batch.slots[i]), start + b - a)
         mask = causal_window_mask(start, b - a, window)
+        if softcap:
+            out[:, a:b] = capped_attention(q[:, a:b], k.to(q.dtype), v.to(q.dtype), mask,
+                                           scale, softcap)
+            continue
         out[:, a:b] = F.scaled_dot_product_attention(
             q[None, :, a:b], k[None].to(q.dtype), v[None].to(q.dtype), attn_mask=mask,
             scale=scale, enable_gqa=True
@@ -56,5 +61,5 @@ class ReferenceAttention:
         """q [T, heads, d], k/v [T, kv, d] -> [T, heads, d]."""
         k, v, q = (torch.from_numpy(np.ascontiguousarray(x)).transpose(0, 1) for x in (k, v, q))
         self.cache.append(op.layer, k, v, batch)
-        return verify_attention(q, self.cache, op.layer, batch, op.scale,
-                                op.window).transpose(0, 1).numpy()
+        return verify_attention(q, self.cache, op.layer, batch, op.scale, op.window,
+                                op.softcap).transpose(0, 1).numpy()

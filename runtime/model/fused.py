@@ -78,7 +78,8 @@ def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int],
                 helper.make_attribute("scale", float(op.scale)),
                 helper.make_attribute("layout", op.layout),
                 helper.make_attribute("window", op.window),
-                helper.make_attribute("kv_dtype", kv_dtype)])
+                helper.make_attribute("kv_dtype", kv_dtype),
+                *([helper.make_attribute("softcap", float(op.softcap))] if op.softcap else [])])
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     for layer in sorted({op.layer for op in spec.verify_ops}):
         for name in pool_inputs(layer):

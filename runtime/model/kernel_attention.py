@@ -90,7 +90,7 @@ class KernelAttention:
         kv_inject(k, v, k_pool, v_pool, meta.slot_block, meta.slot_offset, self.library)
         out = verify_attention(q, k_pool, v_pool, meta.tables, meta.start, meta.new,
                                meta.qoff, op.scale, self.library, meta.max_new, meta.max_len,
-                               window=op.window)
+                               window=op.window, softcap=op.softcap)
         return out.numpy() if host else out
 
     def zero(self, group: str, blocks: torch.Tensor, offsets: torch.Tensor) -> None:

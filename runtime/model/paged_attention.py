@@ -81,8 +81,9 @@ def build_views(arena: KVArena, batch: FlatBatch, group: str, window: int = 0
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray | None,
-           scale: float) -> np.ndarray:
-    """q [heads, n, d]; k/v [kv_heads, L, d]; bias [n, L] (None for one query).
+           scale: float, softcap: float = 0.0) -> np.ndarray:
+    """q [heads, n, d]; k/v [kv_heads, L, d]; bias [n, L] (None for one query); `softcap`
+    > 0: scores soft-capped before the bias (Gemma 2).
 
     Query heads are grouped per KV head (head h reads KV head h // group), as GQA exports
     repeat them."""
@@ -90,6 +91,8 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray | None,
     kv, length = k.shape[0], k.shape[1]
     group = heads // kv
     s = np.matmul(q.reshape(kv, group * n, dim) * np.float32(scale), k.transpose(0, 2, 1))
+    if softcap:
+        s = np.tanh(s / np.float32(softcap)) * np.float32(softcap)
     if bias is not None:
         s = s.reshape(kv, group, n, length)
         s += bias
@@ -177,16 +180,17 @@ class PagedAttention:
         if len(m.compiled):
             q, k, v = (np.ascontiguousarray(x, np.float32) for x in (q, k, v))
             cpu_verify_attention(q, k, v, ka, va, m.tables, m.starts, m.qoffs, m.news,
-                                 m.compiled, op.scale, out, op.window)
+                                 m.compiled, op.scale, out, op.window, op.softcap)
         dtype = self.arena.groups[self.group_of[op.layer]].layout.dtype
         for i, s in enumerate(m.windows):
             ka[s.write_blocks, :, s.write_offsets] = kv_rows.store(k[s.rows], dtype)
             va[s.write_blocks, :, s.write_offsets] = kv_rows.store(v[s.rows], dtype)
             bias = m.bias(i, op.window)
-            fn = ort_attend if bias is not None and s.pairs >= ORT_WINDOW else attend
             keys = s.length - s.base
-            out[s.rows] = fn(q[s.rows].swapaxes(0, 1),
-                             kv_rows.load(by_head(ka, s.blocks, keys), dtype),
-                             kv_rows.load(by_head(va, s.blocks, keys), dtype), bias,
-                             op.scale).swapaxes(0, 1)
+            args = (q[s.rows].swapaxes(0, 1), kv_rows.load(by_head(ka, s.blocks, keys), dtype),
+                    kv_rows.load(by_head(va, s.blocks, keys), dtype), bias, op.scale)
+            if bias is not None and s.pairs >= ORT_WINDOW and not op.softcap:
+                out[s.rows] = ort_attend(*args).swapaxes(0, 1)
+            else:  # a soft-capped layer's long windows too: the onnxruntime graph has no cap
+                out[s.rows] = attend(*args, op.softcap).swapaxes(0, 1)
         return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from dspark.runtime.bundle.config import DFlashConfig
@@ -25,13 +26,16 @@ def build_app(model: Path, api_key: str | None = None, max_batch: int = 16,
               config: Path | DFlashConfig | None = None,
               policy: str | None = None, name: str | None = None, device: str = "auto",
               max_body_bytes: int = 8 * 2**20, replica: str | None = None,
-              watch: bool = True, kv: KVOptions | None = None):
+              watch: bool = True, kv: KVOptions | None = None,
+              say: Callable[[str], None] | None = None):
+    """`say`: where the load's progress lines go (the warm-up's too, run by the engine
+    thread once the server listens)."""
     engine, tokenizer = load_engine(model, max_batch=max_batch, policy=policy, config=config,
-                                    warmup=False, device=device, watch=watch, kv=kv)
+                                    warmup=False, device=device, watch=watch, kv=kv, say=say)
     served = name or model_id(model)
     metrics = Metrics(served, engine.resources.device.name, replica)
     service = EngineService(engine, max_queue, on_step=metrics.on_step,
-                            on_cancel=metrics.forget)
+                            on_cancel=metrics.forget, say=say)
     state = ServerState(service, tokenizer, served, metrics,
                         api_key or read_env().api_key, int(time.time()), max_body_bytes,
                         engine.grammars)
