@@ -1,5 +1,5 @@
 """`dsc datastore`: add a lookup datastore to a bundle, built from the bundle's own main
-model's greedy outputs on a prompt file (runtime/drafting/datastore.py says how it drafts).
+model's greedy outputs on a prompt file (runtime/bundle/datastore.py says how it drafts).
 
 The main decodes every prompt plainly (no speculation), so the store records exactly what
 this bundle writes; the store then goes in beside the models and the manifest lists it with
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspark.runtime.bundle.bundle import MANIFEST_FILE, dump_json, file_entry, open_bundle
-from dspark.runtime.drafting.datastore import STORE_FILE, Datastore
+from dspark.runtime.bundle.datastore import STORE_FILE, Datastore
 from dspark.runtime.errors import DSparkError
 
 
@@ -30,8 +30,8 @@ class StoreReport:
 
 def build_datastore(bundle_path: Path, prompts_path: Path, max_tokens: int = 256,
                     max_n: int = 4, batch: int = 8) -> StoreReport:
-    from dspark.runtime.cli.bench import _ids, load_prompts
-    from dspark.runtime.engine.loader import load_engine
+    from dspark.runtime.api import load_engine
+    from dspark.runtime.sequence.prompt import entry_ids, load_prompts
     from dspark.runtime.sequence.request import GenerationRequest
     from dspark.runtime.sequence.sampling import SamplingParams
 
@@ -40,7 +40,7 @@ def build_datastore(bundle_path: Path, prompts_path: Path, max_tokens: int = 256
     if tokenizer is None and any("prompt_ids" not in p for p in prompts):
         raise DSparkError(f"{bundle_path}: the bundle has no tokenizer; give the prompts in "
                           f"{prompts_path} as 'prompt_ids'")
-    ids = [_ids(tokenizer, p) for p in prompts]
+    ids = [entry_ids(tokenizer, p) for p in prompts]
     streams = []
     for start in range(0, len(ids), batch):
         requests = [GenerationRequest(tuple(x), max_tokens, SamplingParams(0.0),

@@ -64,7 +64,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def main() -> None:
-    from dspark.runtime.cli.bench import load_prompts
+    from dspark.runtime.sequence.prompt import load_prompts
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bundle", type=Path, default=Path("build/smollm2.dsmodel"))

@@ -77,10 +77,10 @@ def log(msg: str) -> None:
 
 def prompt_ids(path: Path, bundle: str = "fp32") -> list[dict]:
     from dspark.runtime.bundle.tokenizer import load_tokenizer
-    from dspark.runtime.cli.bench import _ids, load_prompts
+    from dspark.runtime.sequence.prompt import entry_ids, load_prompts
 
     tokenizer = load_tokenizer(setup.BUNDLES[bundle] / "tokenizer")
-    return [{"name": p["name"], "class": p["class"], "ids": _ids(tokenizer, p)}
+    return [{"name": p["name"], "class": p["class"], "ids": entry_ids(tokenizer, p)}
             for p in load_prompts(path)]
 
 

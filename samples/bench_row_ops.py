@@ -20,9 +20,10 @@ import os
 import statistics
 from pathlib import Path
 
-from dspark.runtime.cli.bench import _ids, _one, busy_core, load_prompts
+from dspark.runtime.cli.bench import _one, busy_core
 from dspark.runtime.engine.loader import load_engine
 from dspark.runtime.model.device import cpu_line
+from dspark.runtime.sequence.prompt import entry_ids, load_prompts
 
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "peer_prompts.jsonl"
 
@@ -45,7 +46,7 @@ def main() -> None:
     engines = {"onnxruntime": _load(args.bundle, False), "ours": _load(args.bundle, True)}
     prompts = load_prompts(PROMPTS)
     tokenizer = engines["ours"][1]
-    ids = [(p["class"], _ids(tokenizer, p)) for p in prompts]
+    ids = [(p["class"], entry_ids(tokenizer, p)) for p in prompts]
     variants = [(name, spec) for name in engines for spec in (False, True)]
     for name, spec in variants:  # first runs: allocations
         _one(engines[name][0], ids[0][1], 8, spec)

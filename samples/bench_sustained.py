@@ -27,8 +27,8 @@ import httpx
 from load_test import start_server
 from openai import OpenAI
 
-from dspark.runtime.cli.bench import load_prompts
 from dspark.runtime.model.device import cpu_line
+from dspark.runtime.sequence.prompt import load_prompts
 
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "peer_prompts.jsonl"
 

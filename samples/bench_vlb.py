@@ -37,8 +37,8 @@ def run(engine, prompts, n: int, tokens: int, speculative: bool) -> tuple[float,
 
 def main() -> None:
     from dspark.runtime.bundle.config import VerifyBalanceConfig
-    from dspark.runtime.cli.bench import _ids, load_prompts
     from dspark.runtime.engine.loader import load_engine
+    from dspark.runtime.sequence.prompt import entry_ids, load_prompts
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bundle", type=Path, default=Path("build/smollm2.dsmodel"))
@@ -49,7 +49,7 @@ def main() -> None:
     args = p.parse_args()
     engine, tokenizer = load_engine(args.bundle, args.window, max_batch=64)
     engine.eos_ids = frozenset()
-    prompts = [_ids(tokenizer, x) for x in load_prompts(None)]
+    prompts = [entry_ids(tokenizer, x) for x in load_prompts(None)]
     run(engine, prompts, 2, 8, True)
     for n in (int(x) for x in args.concurrency.split(",")):
         results: dict[str, list] = {}

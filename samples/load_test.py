@@ -114,7 +114,7 @@ def start_server(bundle: Path, max_batch: int) -> tuple[subprocess.Popen, str]:
 
 
 def main() -> None:
-    from dspark.runtime.cli.bench import load_prompts
+    from dspark.runtime.sequence.prompt import load_prompts
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bundle", type=Path, default=Path("build/smollm2.dsmodel"))

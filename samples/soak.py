@@ -84,7 +84,7 @@ def arena_usage(url: str) -> float:
 
 
 def main() -> None:
-    from dspark.runtime.cli.bench import load_prompts
+    from dspark.runtime.sequence.prompt import load_prompts
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", type=Path, default=Path("build/smollm2.dsmodel"))

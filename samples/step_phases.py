@@ -21,12 +21,13 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from dspark.runtime.cli.bench import _ids, _one, load_prompts
+from dspark.runtime.cli.bench import _one
 from dspark.runtime.drafting import hybrid
 from dspark.runtime.engine import engine as engine_module
 from dspark.runtime.engine import planner
 from dspark.runtime.engine.loader import load_engine
 from dspark.runtime.model.device import cpu_line
+from dspark.runtime.sequence.prompt import entry_ids, load_prompts
 
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "peer_prompts.jsonl"
 STAGES = [(engine_module.Engine, "step", "step"),
@@ -47,7 +48,7 @@ def engine_and_prompts(bundle: Path, cls: str):
     prompts = [p for p in load_prompts(PROMPTS) if p["class"] == cls]
     if not prompts:
         raise SystemExit(f"error: --class {cls!r}: no such class in {PROMPTS}")
-    return engine, [_ids(tokenizer, p) for p in prompts]
+    return engine, [entry_ids(tokenizer, p) for p in prompts]
 
 
 def instrument(spent: dict[str, float]) -> None:

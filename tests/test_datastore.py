@@ -1,4 +1,4 @@
-"""The lookup datastore (runtime/drafting/datastore.py) and `dsc datastore`: the model's own
+"""The lookup datastore (runtime/bundle/datastore.py) and `dsc datastore`: the model's own
 outputs as a corpus the lookup drafts from where a request's context has no match."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from test_drafting import _seq
 
 from dspark.runtime.bundle.bundle import open_bundle
 from dspark.runtime.bundle.config import LookupConfig
+from dspark.runtime.bundle.datastore import STORE_FILE, Datastore
 from dspark.runtime.drafting.base import DraftWork
-from dspark.runtime.drafting.datastore import STORE_FILE, Datastore
 from dspark.runtime.drafting.lookup import STORE_FIRST_PRIOR, LookupDrafter
 from dspark.runtime.drafting.state import DraftState
 from dspark.runtime.errors import BundleError

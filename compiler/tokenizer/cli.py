@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from dspark.compiler.tokenizer.check import compare, load, token_map
-from dspark.runtime.cli.util import run_cli
+from dspark.runtime.api import run_cli
 
 PathArg = click.Path(path_type=Path)
 

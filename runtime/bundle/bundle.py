@@ -20,11 +20,11 @@ from pathlib import Path
 
 from dspark.kernels.spec import KernelSpec
 from dspark.runtime.bundle.config import CONFIG_FILE, DFlashConfig, load_config
+from dspark.runtime.bundle.datastore import STORE_FILE, Datastore
 from dspark.runtime.bundle.manifest import Manifest
 from dspark.runtime.bundle.memory_plan import MemoryPlan
 from dspark.runtime.bundle.spec import ModelSpec
 from dspark.runtime.bundle.token_map import TokenMap
-from dspark.runtime.drafting.datastore import STORE_FILE, Datastore
 from dspark.runtime.errors import BundleError
 from dspark.runtime.version import BUNDLE_FORMAT_VERSION
 

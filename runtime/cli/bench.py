@@ -12,18 +12,16 @@ which is what is left for the engine's own overhead to lose.
 from __future__ import annotations
 
 import contextlib
-import json
 import statistics
 import subprocess
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
 from dspark.runtime.engine.engine import Engine
 from dspark.runtime.errors import DSparkError
 from dspark.runtime.model.device import cpu_line
-from dspark.runtime.sequence.prompt import prompt_ids
+from dspark.runtime.sequence.prompt import entry_ids
 from dspark.runtime.sequence.request import GenerationRequest
 
 
@@ -40,29 +38,6 @@ def busy_core(on: bool):
     finally:
         spinner.kill()
         spinner.wait()
-
-
-def load_prompts(path: Path | None) -> list[dict]:
-    text = (path.read_text() if path else
-            resources.files("dspark.runtime.cli").joinpath("bench_prompts.jsonl").read_text())
-    prompts = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            p = json.loads(line)
-        except ValueError as e:
-            raise DSparkError(f"{path}:{n}: not JSON ({e})") from None
-        if not isinstance(p, dict) or not ({"prompt", "chat", "prompt_ids"} & set(p)):
-            raise DSparkError(f"{path}:{n}: needs a 'prompt', 'chat' or 'prompt_ids' field")
-        prompts.append({"name": p.get("name", f"p{n}"), "class": p.get("class", "default"), **p})
-    if not prompts:
-        raise DSparkError(f"{path}: no prompts")
-    return prompts
-
-
-def _ids(tokenizer, p: dict) -> list[int]:
-    return prompt_ids(tokenizer, p.get("prompt"), p.get("chat"), p.get("prompt_ids"))
 
 
 def solve_alpha(tokens_per_round: float, w: int) -> float:
@@ -106,7 +81,7 @@ def _one(engine: Engine, ids: list[int], max_tokens: int, spec: bool,
 def run_bench(engine: Engine, tokenizer, prompts: list[dict], max_tokens: int,
               repeats: int, method: str | None = None) -> dict:
     w = engine.planner.fixed_window
-    ids = {p["name"]: _ids(tokenizer, p) for p in prompts}
+    ids = {p["name"]: entry_ids(tokenizer, p) for p in prompts}
     first = next(iter(ids.values()))
     _one(engine, first, 8, True)  # warm-up: sessions' first runs, allocations
     _one(engine, first, 8, False)
@@ -163,7 +138,7 @@ def _use(engine: Engine, policy: str | None, window: int | None) -> None:
 def run_sweep(engine: Engine, tokenizer, prompts: list[dict], max_tokens: int, repeats: int,
               modes: list[Mode]) -> dict:
     """Every prompt under every mode, modes rotated per repeat; medians per class and mode."""
-    ids = {p["name"]: _ids(tokenizer, p) for p in prompts}
+    ids = {p["name"]: entry_ids(tokenizer, p) for p in prompts}
     for _, policy, window, _ in modes:
         _use(engine, policy, window)  # unknown names fail before anything runs
     _one(engine, next(iter(ids.values())), 8, True)

@@ -1,13 +1,15 @@
 """The window-policy interface (the registry that builds them: dflash/policies.py).
 
 A policy sees a `RoundView` (lengths and the sequence's SeqStats) and the cost model; it
-never touches the executor. Per round it answers three questions:
-    begin_round(drafting)       how many sequences draft together this round
+never touches the executor. Per round it is told one thing, answers three questions and
+learns from the result:
+    begin_round(drafting)       told: how many sequences draft together this round
     window(view)                how many tokens may be drafted (0: plain decoding)
     keep_drafting(view, j)      after drafting j tokens, draft one more?
     survival(view, j)           chance the j-th draft is kept; None: the policy has no model
                                 of it (VLB alone then decides how many are verified)
-    observe(view)               the round is verified; update state from the statistics
+    observe(view)               learns: the round is verified; update state from the
+                                statistics
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from dspark.runtime.bundle.config import LookupConfig
+from dspark.runtime.bundle.datastore import Datastore
 from dspark.runtime.drafting.base import DraftWork
-from dspark.runtime.drafting.datastore import Datastore
 from dspark.runtime.drafting.ngram_index import NgramIndex
 from dspark.runtime.sequence.request import Sequence
 
