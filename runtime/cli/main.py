@@ -185,7 +185,7 @@ def generate(model: Path, prompt, prompt_ids, chat, max_tokens: int, temperature
 
     grammar = _schema_grammar(schema_path) if schema_path is not None else None
     engine, tokenizer = load_engine(model, window, policy=policy, config=config_path,
-                                    device=device, kv=kv, say=say)
+                                    device=device, kv=kv, say=say, cost_cache=True)
     ids = _prompt_ids(tokenizer, prompt, prompt_ids, chat)
     if grammar is not None:
         if engine.grammars is None:

@@ -49,6 +49,7 @@ from dspark.runtime.env import read_env
 from dspark.runtime.errors import DSparkError, RequestError
 from dspark.runtime.grammar.constraint import GrammarBook
 from dspark.runtime.host_load import HostLoad, thread_hint
+from dspark.runtime.model import cost_cache
 from dspark.runtime.model.costs import AFTER_DRAFT, CostModel
 from dspark.runtime.model.device import resolve_device
 from dspark.runtime.model.profile import warmup
@@ -341,10 +342,24 @@ class Engine:
                     "dsc compile --max-seq-len)", param="max_length", code="max_length_exceeded")
         return self.scheduler.resize(max_seq_len)
 
-    def warmup(self, main_sizes=(*range(1, 10), 16, 32, 64), draft_sizes=(1, 2, 3, 4, 8, 16)
-               ) -> dict:
+    def warmup(self, main_sizes=(*range(1, 10), 16, 32, 64), draft_sizes=(1, 2, 3, 4, 8, 16),
+               cached: bool = False) -> dict:
         """Profile every model (model/profile.py): the cost table the policies read (every
-        verify size of a window up to 8 drafts: the table keeps them apart, costs.py)."""
+        verify size of a window up to 8 drafts: the table keeps them apart, costs.py).
+        `cached`: read the table this machine measured for this bundle before, if any (one
+        forward a model still runs: their sessions' first runs allocate), else measure it
+        and keep it for the next load (model/cost_cache.py)."""
+        path = cost_cache.cache_path(self.bundle, self.arena.device.type) if cached else None
+        if path is not None and path.exists():
+            profile = self._profile((1,), (1,))
+            if cost_cache.load(path, self.costs):
+                return {**profile, "cached": str(path)}
+        profile = self._profile(main_sizes, draft_sizes)
+        if path is not None:
+            cost_cache.save(path, self.costs)
+        return profile
+
+    def _profile(self, main_sizes, draft_sizes) -> dict:
         limit = self.plan.max_seq_len
         load = HostLoad()
         load.sample()

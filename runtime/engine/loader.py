@@ -32,14 +32,15 @@ class KVOptions:
 def load_engine(model: Path, window: int | None = None, max_batch: int = 16,
                 policy: str | None = None, config: Path | DFlashConfig | None = None,
                 warmup: bool = True, device: str = "auto", watch: bool = True,
-                kv: KVOptions | None = None, say: Callable[[str], None] | None = None
-                ) -> tuple[Engine, BundleTokenizer | None]:
+                kv: KVOptions | None = None, say: Callable[[str], None] | None = None,
+                cost_cache: bool = False) -> tuple[Engine, BundleTokenizer | None]:
     """`window` alone means the fixed policy at that window; `policy` picks one by name.
     `config` (a file, or a config already validated) replaces the bundle's
     dflash_config.json; the file is hot-reloaded unless `watch` is off (dsrun cluster pushes
     configs to its replicas instead). `device`: auto, cpu or cuda. `kv`: the KV cache's
     size, dtype, prefix caching and longest sequence. `say`: where each load phase's line
-    goes (dsrun: stderr)."""
+    goes (dsrun: stderr). `cost_cache`: the warm-up reads this machine's cost table for the
+    bundle when it has one (dsrun's commands; model/cost_cache.py)."""
     kv = kv or KVOptions()
     phase = _Phases(say)
     init_threads()
@@ -59,8 +60,10 @@ def load_engine(model: Path, window: int | None = None, max_batch: int = 16,
     if watch:
         engine.watch(config or bundle.path(CONFIG_FILE))
     if warmup:
-        phase("warmed up (the cost table measured)")
-        engine.warmup()
+        phase("warmed up")
+        profile = engine.warmup(cached=cost_cache)
+        phase.name += (" (the cost table read from this machine's last load)"
+                       if "cached" in profile else " (the cost table measured)")
     phase(None)
     return engine, tokenizer
 

@@ -58,6 +58,24 @@ class CostModel:
         self.tables = {self.mode(): _empty()}
         self.measured = {solo: set() for solo in (False, True)}
 
+    def snapshot(self) -> dict:
+        """The tables and per-sequence costs as JSON data (model/cost_cache.py)."""
+        return {"tables": {str(solo): {role: {str(n): t for n, t in rows.items()}
+                                       for role, rows in table.items()}
+                           for solo, table in self.tables.items()},
+                "per_seq": dict(self.per_seq)}
+
+    def restore(self, data: dict) -> None:
+        """Take a snapshot's tables; each size counts as measured (the next forward of it
+        is averaged in, not taken whole)."""
+        tables = {solo == "True": {role: {int(n): float(t) for n, t in rows.items()}
+                                   for role, rows in table.items()}
+                  for solo, table in data["tables"].items()}
+        per_seq = {role: float(t) for role, t in data["per_seq"].items()}
+        self.tables, self.per_seq = tables, per_seq
+        self.measured = {solo: {(role, n) for role, rows in tables.get(solo, {}).items()
+                                for n in rows} for solo in (False, True)}
+
     @property
     def table(self) -> dict[str, dict[int, float]]:
         """The current mode's table (first met: a copy of the other's)."""

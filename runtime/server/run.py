@@ -27,15 +27,16 @@ def build_app(model: Path, api_key: str | None = None, max_batch: int = 16,
               policy: str | None = None, name: str | None = None, device: str = "auto",
               max_body_bytes: int = 8 * 2**20, replica: str | None = None,
               watch: bool = True, kv: KVOptions | None = None,
-              say: Callable[[str], None] | None = None):
+              say: Callable[[str], None] | None = None, cost_cache: bool = False):
     """`say`: where the load's progress lines go (the warm-up's too, run by the engine
-    thread once the server listens)."""
+    thread once the server listens); `cost_cache`: the warm-up reads this machine's cost
+    table for the bundle when it has one (model/cost_cache.py; dsrun serve does)."""
     engine, tokenizer = load_engine(model, max_batch=max_batch, policy=policy, config=config,
                                     warmup=False, device=device, watch=watch, kv=kv, say=say)
     served = name or model_id(model)
     metrics = Metrics(served, engine.resources.device.name, replica)
     service = EngineService(engine, max_queue, on_step=metrics.on_step,
-                            on_cancel=metrics.forget, say=say)
+                            on_cancel=metrics.forget, say=say, cost_cache=cost_cache)
     state = ServerState(service, tokenizer, served, metrics,
                         api_key or read_env().api_key, int(time.time()), max_body_bytes,
                         engine.grammars)
@@ -45,7 +46,7 @@ def build_app(model: Path, api_key: str | None = None, max_batch: int = 16,
 def serve(model: Path, host: str, port: int, drain_s: float = 30.0, **kwargs) -> None:
     import uvicorn
 
-    app, state = build_app(model, **kwargs)
+    app, state = build_app(model, cost_cache=True, **kwargs)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=max(1, int(drain_s)))
     draining_server(uvicorn.Server, state, drain_s)(config).run()

@@ -65,9 +65,10 @@ class EngineService:
     def __init__(self, engine: Engine, max_queue: int = 256,
                  on_step: Callable[[StepReport, EngineGauges, float], None] | None = None,
                  on_cancel: Callable[[int], None] | None = None,
-                 say: Callable[[str], None] | None = None):
+                 say: Callable[[str], None] | None = None, cost_cache: bool = False):
         self.engine = engine
         self.say = say  # where the warm-up's line goes
+        self.cost_cache = cost_cache  # the warm-up may read the machine's cost table
         self.max_queue = max_queue
         self.on_step = on_step
         self.on_cancel = on_cancel
@@ -89,9 +90,10 @@ class EngineService:
 
     def _warmup(self, engine: Engine) -> None:
         t0 = time.perf_counter()
-        engine.warmup()
+        profile = engine.warmup(cached=self.cost_cache)
+        how = "read from this machine's last load" if "cached" in profile else "measured"
         if self.say is not None:
-            self.say(f"warmed up (the cost table measured) in {time.perf_counter() - t0:.1f}s; "
+            self.say(f"warmed up (the cost table {how}) in {time.perf_counter() - t0:.1f}s; "
                      "ready")
 
     def stop(self) -> None:
