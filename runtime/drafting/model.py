@@ -231,3 +231,14 @@ def draw(w: DraftWork, logits: np.ndarray, tmap: TokenMap | None) -> bool:
         proposal = tmap.main_probabilities(q)[0] if tmap is not None else q
     w.state.add(token, SOURCE, proposal, top1, entropy)
     return True
+
+
+def bundle_drafter(bundle, runners: dict, arena, draft: str, shared_kv, commit
+                   ) -> ModelDrafter | None:
+    """The bundle's draft models (`runners`) as a drafter, or None without any (each
+    round's DraftJob says how far a sequence may fill: its reservation, and how many tokens
+    a catch-up reads: a prompt chunk)."""
+    if not runners:
+        return None
+    maps = {"draft": bundle.token_map} if bundle.token_map is not None else {}
+    return ModelDrafter(runners, arena, draft, maps, shared_kv, commit)

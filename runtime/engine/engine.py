@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +35,7 @@ from dspark.runtime.dflash.vlb import VerifyBalancer
 from dspark.runtime.drafting.base import Drafting
 from dspark.runtime.drafting.hybrid import HybridDrafter
 from dspark.runtime.drafting.lookup import LookupDrafter
-from dspark.runtime.drafting.model import ModelDrafter
+from dspark.runtime.drafting.model import bundle_drafter
 from dspark.runtime.engine.acceptance import Acceptance, accept, scored_rows
 from dspark.runtime.engine.choices import Choices
 from dspark.runtime.engine.emit import emit
@@ -45,14 +44,11 @@ from dspark.runtime.engine.planner import WindowPlanner
 from dspark.runtime.engine.round_plan import RoundPlan, Slot
 from dspark.runtime.engine.scheduler import Scheduler, in_flight
 from dspark.runtime.engine.snapshot import EngineGauges, RoundRecord, StepReport
-from dspark.runtime.env import read_env
+from dspark.runtime.engine.warmup import DRAFT_SIZES, MAIN_SIZES, warm_up
 from dspark.runtime.errors import DSparkError, RequestError
 from dspark.runtime.grammar.constraint import GrammarBook
-from dspark.runtime.host_load import HostLoad, thread_hint
-from dspark.runtime.model import cost_cache
 from dspark.runtime.model.costs import AFTER_DRAFT, CostModel
 from dspark.runtime.model.device import resolve_device
-from dspark.runtime.model.profile import warmup
 from dspark.runtime.model.runner import ModelRunner
 from dspark.runtime.sequence.logprobs import output_logprobs, score_prompt
 from dspark.runtime.sequence.request import GenerationRequest, Sequence
@@ -117,7 +113,9 @@ class Engine:
                                      bool(self.draft_models), policy or (
                                          "fixed" if window else None), window)
         lookup = LookupDrafter(self.config.drafting.lookup, bundle.datastore)
-        self.drafting: Drafting = HybridDrafter(lookup, _model_drafter(self, bundle),
+        model = bundle_drafter(bundle, self.draft_models, self.arena, self.resources.draft,
+                               self.shared_kv, self.kv.commit)
+        self.drafting: Drafting = HybridDrafter(lookup, model,
                                                 SourceChooser(self.config.drafting, self.costs))
         self.eos_ids = frozenset(eos_ids)
         self.decode = decode
@@ -342,40 +340,10 @@ class Engine:
                     "dsc compile --max-seq-len)", param="max_length", code="max_length_exceeded")
         return self.scheduler.resize(max_seq_len)
 
-    def warmup(self, main_sizes=(*range(1, 10), 16, 32, 64), draft_sizes=(1, 2, 3, 4, 8, 16),
+    def warmup(self, main_sizes=MAIN_SIZES, draft_sizes=DRAFT_SIZES,
                cached: bool = False) -> dict:
-        """Profile every model (model/profile.py): the cost table the policies read (every
-        verify size of a window up to 8 drafts: the table keeps them apart, costs.py).
-        `cached`: read the table this machine measured for this bundle before, if any (one
-        forward a model still runs: their sessions' first runs allocate), else measure it
-        and keep it for the next load (model/cost_cache.py)."""
-        path = cost_cache.cache_path(self.bundle, self.arena.device.type) if cached else None
-        if path is not None and path.exists():
-            profile = self._profile((1,), (1,))
-            if cost_cache.load(path, self.costs):
-                return {**profile, "cached": str(path)}
-        profile = self._profile(main_sizes, draft_sizes)
-        if path is not None:
-            cost_cache.save(path, self.costs)
-        return profile
-
-    def _profile(self, main_sizes, draft_sizes) -> dict:
-        limit = self.plan.max_seq_len
-        load = HostLoad()
-        load.sample()
-        gate = getattr(self.main.model, "gate", None)
-        profile = warmup(self.arena, self.costs,
-                         {"main": [self.main], "draft": list(self.draft_models.values())},
-                         {"main": [t for t in main_sizes if t < limit],
-                          "draft": [t for t in draft_sizes if t < limit]},
-                         solo=gate.pinned if gate is not None else None)
-        other = load.sample()
-        env = read_env()  # adaptive threads follow the load themselves: no hint
-        hint = (thread_hint(other, env.threads, os.cpu_count() or 1)
-                if self.arena.device.type == "cpu" and not env.adaptive else None)
-        if hint is not None:
-            log.warning(hint)
-        return {**profile, "other_cores": other}
+        """Profile every model, or read this machine's table back (engine/warmup.py)."""
+        return warm_up(self, main_sizes, draft_sizes, cached)
 
 
 def _rows(slot: Slot) -> int:
@@ -386,12 +354,3 @@ def _rows(slot: Slot) -> int:
         return slot.chunk + (slot.verify if slot.finishes_prompt else 0)
     return slot.verify + 1 if slot.finishes_prompt else 0
 
-
-def _model_drafter(engine: Engine, bundle: Bundle) -> ModelDrafter | None:
-    """The bundle's draft models as a drafter (each round's DraftJob says how far a sequence
-    may fill: its reservation, and how many tokens a catch-up reads: a prompt chunk)."""
-    if not engine.draft_models:
-        return None
-    maps = {"draft": bundle.token_map} if bundle.token_map is not None else {}
-    return ModelDrafter(engine.draft_models, engine.arena, engine.resources.draft, maps,
-                        engine.shared_kv, engine.kv.commit)
