@@ -86,7 +86,7 @@ def test_a_warm_up_beside_a_busy_core_names_fewer_threads(tok_bundle, caplog, mo
     """The engine's warm-up reports the other processes' load and, with a thread per core
     and one of them taken, logs the thread count that runs faster (the reading itself is the
     spinner test's; a tiny model's warm-up is shorter than /proc's ticks can measure)."""
-    from dspark.runtime.engine import engine as engine_module
+    from dspark.runtime.engine import warmup as engine_module
     from dspark.runtime.engine.loader import load_engine
 
     class OneCoreBusy:
