@@ -161,7 +161,7 @@ def verify_cmd(bundle: Path, main: Path, draft: Path | None, tolerance: float, r
     tolerance + rtol * |the original's logit|."""
     from dspark.compiler.verify import verify_model
 
-    b = open_bundle(bundle)
+    b = open_bundle(bundle, full_hash=True)
     if (draft is None) != ("draft" not in b.models):
         raise click.UsageError("--draft is needed exactly when the bundle has a draft model")
     progress = Progress(quiet)

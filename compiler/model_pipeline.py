@@ -11,6 +11,8 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from dspark.compiler.contract import InputContract
+from dspark.compiler.int4_stage import write_int4_graph
+from dspark.compiler.lazy_weights import import_lazy
 from dspark.compiler.passes.attention import AttentionMatch, find_attentions
 from dspark.compiler.passes.bind import Meaning, bind_removed_inputs, classify, int_candidates
 from dspark.compiler.passes.fold_shapes import fold_shapes, reshaped, shape_derived
@@ -22,7 +24,7 @@ from dspark.compiler.passes.gqa import (
     replace_gqa,
 )
 from dspark.compiler.passes.length_switch import fold_length_switches
-from dspark.compiler.passes.optimize import load_full, optimize
+from dspark.compiler.passes.optimize import optimize
 from dspark.compiler.passes.positions import check_per_token_positions
 from dspark.compiler.passes.probe import PROBE_SHAPES, Prober
 from dspark.compiler.passes.projections import fuse_projections
@@ -201,13 +203,15 @@ def check_segment(path: Path, model: onnx.ModelProto) -> None:
 
 
 def write_model(graph: gs.Graph, cuts: list[SegmentCut], role: str, out: Path,
-                progress: Progress | None = None) -> tuple[tuple[Segment, ...], str, str]:
+                progress: Progress | None = None, source: Path | None = None
+                ) -> tuple[tuple[Segment, ...], str, str]:
     """Segments and the whole graph, all pointing into one weights.bin (`progress`: a line
-    every few seconds with the segments and the weights written)."""
+    every few seconds with the segments and the weights written; `source`: the folder of
+    the files the graph's weights stayed in, lazy_weights.py)."""
     progress = progress or Progress(quiet=True)
     folder = out / role
     folder.mkdir()
-    f, store = open_store(folder / "weights.bin")
+    f, store = open_store(folder / "weights.bin", source)
     segments = []
     with f:
         for cut in cuts:
@@ -241,13 +245,16 @@ def compile_model(contract: InputContract, role: str, work: Path, out: Path,
     before = op_counts(onnx.load(str(contract.path), load_external_data=False).graph.node)
     with progress.stage(f"optimize {role}"):
         opt_path = optimize(contract, work, role)
-        graph = gs.import_onnx(load_full(opt_path))
+        graph = import_lazy(opt_path)
     with progress.stage(f"verify-nodes {role}"):
         done = rewrite(graph, contract, role, progress, opt_path, max_positions, lean)
         geo = _uniform(done.geometry, contract)
         cuts, after = cut_segments(graph)
     with progress.stage(f"write {role}"):
-        segments, graph_file, weights_file = write_model(graph, cuts, role, out, progress)
+        segments, graph_file, weights_file = write_model(graph, cuts, role, out, progress,
+                                                         opt_path.parent)
+    with progress.stage(f"pack {role}"):
+        int4_graph_file = write_int4_graph(out, graph_file)
     ops = []
     for node in sorted((n for n in graph.nodes if n.op == VERIFY_OP),
                        key=lambda n: n.attrs["layer"]):
@@ -263,5 +270,5 @@ def compile_model(contract: InputContract, role: str, work: Path, out: Path,
         kv_dtype=done.kv_dtype,
         inputs=tuple(t.name for t in graph.inputs), graph_file=graph_file,
         weights_file=weights_file, segments=segments, verify_ops=tuple(ops),
-        max_positions=max_positions,
+        max_positions=max_positions, int4_graph_file=int4_graph_file,
     ), report

@@ -8,6 +8,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from dspark.compiler.release import release
+
 TICK_S = 2.0
 
 
@@ -32,5 +34,6 @@ class Progress:
         self.say(f"{name} ...")
         t0 = time.perf_counter()
         yield
+        release()  # what the stage freed goes back to the system (release.py)
         self.timings[name] = round(time.perf_counter() - t0, 3)
         self.say(f"{name} done in {self.timings[name]:.1f}s")

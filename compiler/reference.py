@@ -43,9 +43,15 @@ class OriginalModel:
         # function the bundle computes for any chunk (passes/token_quant.py)
         self.token_by_token = (per_token_quantized(header) if token_by_token is None
                                else token_by_token)
-        self.session = session or make_session(path, level="all")
+        self._session = session  # made at the first forward (dsc verify runs the bundle first)
         c = self.contract
         self.present = [f"present.{i}.{k}" for i in range(c.num_layers) for k in ("key", "value")]
+
+    @property
+    def session(self):
+        if self._session is None:
+            self._session = make_session(self.path, level="all")
+        return self._session
 
     def empty_past(self) -> Past:
         """Nothing cached (a window-sized cache: its rows, none of them holding a position)."""

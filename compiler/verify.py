@@ -37,6 +37,8 @@ not see a compile's error. Those forms are tested against the original on their 
 
 from __future__ import annotations
 
+import gc
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,25 +154,37 @@ def verify_model(bundle: Bundle, role: str, path: Path, seqs: int = 3, steps: in
     forwards, longest = max(len(p) for p in plans), max(sum(p) for p in plans)
     progress.say(f"verify {role}: {len(plans)} sequences, {forwards} forwards, up to "
                  f"{longest} positions")
-    for k in range(forwards):
-        progress.tick(f"verify {role}: forward {k + 1}/{forwards}, {max(starts)} of "
-                      f"{longest} positions reached")
-        live = [i for i, p in enumerate(plans) if k < len(p)]
-        new = {i: [int(t) for t in rng.integers(0, spec.vocab_size, plans[i][k])] for i in live}
-        batch = FlatBatch.build([SeqChunk(i, starts[i], tuple(new[i])) for i in live])
-        got = model.forward(batch)
-        for row, i in enumerate(live):
-            a, b = batch.seq_range(row)
-            ref, pasts[i] = original.forward(new[i], pasts[i])
-            history[i] += new[i]
-            if i < floor_seqs:
-                stepwise[i].append(ref)
-            diff = np.abs(got[a:b] - ref)
-            worst = max(worst, float(diff.max()))
-            beyond = max(beyond, float((diff - rtol * np.abs(ref)).max()))
-            agree += int((got[a:b].argmax(-1) == ref.argmax(-1)).sum())
-            tokens += b - a
-            starts[i] += b - a
+    # The bundle's forwards first, their logits kept on disk, then the original's: the two
+    # models are never in memory together (each may be most of it).
+    with tempfile.TemporaryDirectory(prefix="dsc-verify-") as kept:
+        chunks = []
+        for k in range(forwards):
+            progress.tick(f"verify {role}: bundle forward {k + 1}/{forwards}, {max(starts)} of "
+                          f"{longest} positions reached")
+            live = [i for i, p in enumerate(plans) if k < len(p)]
+            new = {i: [int(t) for t in rng.integers(0, spec.vocab_size, plans[i][k])]
+                   for i in live}
+            batch = FlatBatch.build([SeqChunk(i, starts[i], tuple(new[i])) for i in live])
+            np.save(Path(kept) / f"{k}.npy", model.forward(batch))
+            chunks.append((live, new, batch))
+            for i in live:
+                starts[i] += len(new[i])
+        del model, cache
+        gc.collect()
+        for k, (live, new, batch) in enumerate(chunks):
+            progress.tick(f"verify {role}: original forward {k + 1}/{forwards}")
+            got = np.load(Path(kept) / f"{k}.npy")
+            for row, i in enumerate(live):
+                a, b = batch.seq_range(row)
+                ref, pasts[i] = original.forward(new[i], pasts[i])
+                history[i] += new[i]
+                if i < floor_seqs:
+                    stepwise[i].append(ref)
+                diff = np.abs(got[a:b] - ref)
+                worst = max(worst, float(diff.max()))
+                beyond = max(beyond, float((diff - rtol * np.abs(ref)).max()))
+                agree += int((got[a:b].argmax(-1) == ref.argmax(-1)).sum())
+                tokens += b - a
     progress.say(f"verify {role}: the original's own noise (whole prompts against chunks)")
     whole = _whole(original, half)
     noise = max(_chunking_noise(whole, history[i], stepwise[i]) for i in range(floor_seqs))
@@ -204,11 +218,14 @@ def _rounding_noise(path: Path, original: OriginalModel, histories: list[list[in
     inputs (accuracy level 0), and against itself with its projections as the runtime runs
     them (MatMulInt4, int8 inputs, where this CPU has a vector path; onnxruntime keeps float
     zero points in float32). 0 without such ops."""
-    model = onnx.load(str(path))
-    rounding = [a for n in model.graph.node if n.op_type == "MatMulNBits"
+    def rounding_attrs(model: onnx.ModelProto) -> list:
+        return [a for n in model.graph.node if n.op_type == "MatMulNBits"
                 for a in n.attribute if a.name == "accuracy_level" and a.i == 4]
-    if not rounding:
-        return 0.0
+
+    if not rounding_attrs(onnx.load(str(path), load_external_data=False)):
+        return 0.0  # (the weights not read: a float main may be most of the memory)
+    model = onnx.load(str(path))
+    rounding = rounding_attrs(model)
     variants = [OriginalModel(path, session) for session in _int8_sessions(path, model)]
     for attr in rounding:
         attr.i = 0

@@ -40,6 +40,9 @@ class RuntimeEnv:
     # unset, auto or adaptive: while other processes hold the cores the pool counts on, our
     # ops run on the calling thread (load_gate.py); DSPARK_THREADS=N keeps N threads always
     follow_load: bool = False
+    # DSPARK_HASH=full: hash every bundle file at every load (default: files unchanged since
+    # this machine last hashed them are not read again, bundle/file_check.py)
+    full_hash: bool = False
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -73,7 +76,8 @@ def read_env() -> RuntimeEnv:
                       cpu_isa=os.environ.get("DSPARK_CPU_ISA") or None,
                       cpu_march=os.environ.get("DSPARK_CPU_MARCH") or "native",
                       adaptive=raw == "adaptive" and threads > 1,
-                      follow_load=raw in ("", "auto", "adaptive") and threads > 1)
+                      follow_load=raw in ("", "auto", "adaptive") and threads > 1,
+                      full_hash=os.environ.get("DSPARK_HASH", "") == "full")
 
 
 @functools.cache

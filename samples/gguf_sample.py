@@ -26,6 +26,19 @@ def stamp(gguf: Path, recipe: int, script: Path) -> str:
                        "helper": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()})
 
 
+def up_to_date(out: Path, want: str, outputs: tuple[str, ...], tag: str) -> bool:
+    """Whether `out` holds `outputs` made under the stamp `want`; if not, the folder is
+    made and its stamp removed (written again once the outputs are)."""
+    stamp_file = out / "STAMP"
+    if stamp_file.exists() and stamp_file.read_text() == want and all(
+            (out / f).exists() for f in outputs):
+        print(f"[{tag}] {out}: up to date")
+        return True
+    out.mkdir(parents=True, exist_ok=True)
+    stamp_file.unlink(missing_ok=True)
+    return False
+
+
 def load_model(gguf: Path):
     """transformers loads GGUF (dequantized to fp32) into its plain model class, eager."""
     import torch
@@ -43,14 +56,9 @@ def build(out: Path, gguf: Path, recipe: int, script: Path) -> None:
     from dspark.compiler.hf_export import export_causal_lm
     from dspark.compiler.quantize import quantize_file
 
-    stamp_file = out / "STAMP"
     want = stamp(gguf, recipe, script)
-    if stamp_file.exists() and stamp_file.read_text() == want and all(
-            (out / f).exists() for f in OUTPUTS):
-        print(f"[sample] {out}: up to date")
+    if up_to_date(out, want, OUTPUTS, "sample"):
         return
-    out.mkdir(parents=True, exist_ok=True)
-    stamp_file.unlink(missing_ok=True)
     t0 = time.perf_counter()
     print(f"[sample] loading {gguf.name} ...", flush=True)
     model, tokenizer = load_model(gguf)
@@ -62,5 +70,5 @@ def build(out: Path, gguf: Path, recipe: int, script: Path) -> None:
           f"({time.perf_counter() - t0:.0f}s)", flush=True)
     report = quantize_file(out / "main.onnx", out / "draft.onnx")
     print(f"[sample] {report.exact} of {report.projections} projections held exactly", flush=True)
-    stamp_file.write_text(want)
+    (out / "STAMP").write_text(want)
     print(f"[sample] {out} ready in {time.perf_counter() - t0:.0f}s")

@@ -90,7 +90,14 @@ def processors_table(report: dict) -> list[str]:
     return [report["setup"], "", *table(report)]
 
 
-TABLES = {"peers_greedy.json": peers_table, "peers_sampled.json": peers_table,
+def big_table(report: dict) -> list[str]:
+    from bench_big import table
+
+    return table(report)
+
+
+TABLES = {"big.json": big_table, "peers_greedy.json": peers_table,
+          "peers_sampled.json": peers_table,
           "peers_loaded.json": peers_table, "peers_avx2.json": peers_table,
           "peers_loaded_avx2.json": peers_table, "peers_loaded_one.json": peers_table,
           "peers_loaded_avx2_one.json": peers_table, "peers_quiet_one.json": peers_table,

@@ -29,6 +29,48 @@ def test_tampered_weights_are_named(bundle_copy):
         open_bundle(bundle_copy)
 
 
+def test_a_file_changed_after_its_check_is_hashed_again(bundle_copy, tmp_path, monkeypatch):
+    """A second open hashes nothing it checked before (bundle/file_check.py); a byte flipped
+    in place afterwards, size and modification time put back, is still found: its change
+    time moved. DSPARK_HASH=full hashes every file."""
+    import os
+
+    import dspark.runtime.bundle.bundle as bundle_module
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    hashed = []
+
+    def counting(path):
+        hashed.append(path.relative_to(bundle_copy).as_posix())
+        return bundle_module.sha256_file(path)
+
+    monkeypatch.setattr(bundle_module, "check_files", lambda root, files, hasher, records:
+                        _check(root, files, counting, records))
+    open_bundle(bundle_copy)
+    assert "main/weights.bin" in hashed
+    hashed.clear()
+    open_bundle(bundle_copy)
+    assert hashed == []
+    monkeypatch.setenv("DSPARK_HASH", "full")
+    open_bundle(bundle_copy)
+    assert "main/weights.bin" in hashed and len(hashed) == len(set(hashed))
+    monkeypatch.delenv("DSPARK_HASH")
+    weights = bundle_copy / "main" / "weights.bin"
+    st = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(BundleError, match=r"main/weights.bin: sha256 does not match"):
+        open_bundle(bundle_copy)
+
+
+def _check(root, files, hasher, records):
+    from dspark.runtime.bundle.file_check import check_files
+
+    return check_files(root, files, hasher, records)
+
+
 def test_truncated_and_missing_files_are_named(bundle_copy):
     seg = bundle_copy / "draft" / "segment_001.onnx"
     seg.write_bytes(seg.read_bytes()[:-10])

@@ -1,5 +1,6 @@
 """The warm-up's cost table kept per machine (runtime/model/cost_cache.py): measured at the
-first load, read back at the next, measured again when stale or unreadable."""
+first load, read back at the next, measured again when unreadable; a stale one is read back
+and written again once traffic has measured it anew."""
 
 from __future__ import annotations
 
@@ -47,7 +48,13 @@ def test_a_second_warmup_reads_the_first_ones_table(compiled, tmp_path, monkeypa
     assert "cached" not in Engine(bundle, max_batch=4).warmup()  # not asked: measured
     old = path.stat().st_mtime - cost_cache.MAX_AGE_S - 60
     os.utime(path, (old, old))
-    assert "cached" not in Engine(bundle, max_batch=4).warmup(cached=True)  # stale: again
+    stale = Engine(bundle, max_batch=4)
+    assert "cached" in stale.warmup(cached=True)  # stale: read back, the load not held
+    for _ in range(cost_cache.REFRESH - 1):
+        stale.costs.record("main", 1, 0.001)
+    assert path.stat().st_mtime == pytest.approx(old)
+    stale.costs.record("main", 1, 0.001)  # refreshed by traffic: written back
+    assert path.stat().st_mtime > old + cost_cache.MAX_AGE_S
     path.write_text("{not json")
     assert "cached" not in Engine(bundle, max_batch=4).warmup(cached=True)  # unreadable
     assert "cached" in Engine(bundle, max_batch=4).warmup(cached=True)  # rewritten

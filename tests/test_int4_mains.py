@@ -136,3 +136,33 @@ def test_without_matmulint4_float_zero_points_run_split_and_generate_their_token
     for p, g in zip(prompts, outputs[0]):
         first_fork(g, original.greedy(p, 32), p, original, set(), "length",
                    tie=max(noise, 1e-4))
+
+
+def test_projections_are_packed_at_compile_time_not_at_load(low_bit, monkeypatch):
+    """dsc compile packs the groups (compiler/int4_stage.py) into the bundle's int4.bin,
+    listed and hash-checked like every file; a load only sets each node's path and threads,
+    and the graph it hands onnxruntime holds no weights (packing is made to fail here)."""
+    import dspark.runtime.model.int4_rows as int4_rows
+    from dspark.runtime.model.fused import fused_graph
+
+    bundle_path, _ = low_bit["zp4"]
+    bundle = open_bundle(bundle_path)
+    spec = bundle.model("main")
+    assert spec.int4_graph_file == "main/model_int4.onnx"
+    assert {"main/model_int4.onnx", "main/int4.bin"} <= set(bundle.manifest.files)
+
+    def no_packing(*args, **kwargs):
+        raise AssertionError("packed at load")
+
+    monkeypatch.setattr(int4_rows, "pack_groups", no_packing)
+    graph, count = fused_graph(bundle, "main", (spec.num_kv_heads, 16, spec.head_dim), "avx2")
+    model = onnx.load_from_string(graph)
+    int4 = [n for n in model.graph.node if n.op_type == "MatMulInt4"]
+    assert count == len(int4) > 0
+    assert all({a.name for a in n.attribute} >= {"isa", "isa_few", "threads"} for n in int4)
+    groups = [t for t in model.graph.initializer if t.name.endswith("/int4_groups")]
+    assert len(groups) == len(int4)
+    assert all(t.data_location == onnx.TensorProto.EXTERNAL and t.external_data[0].value
+               == "int4.bin" for t in groups)
+    assert all(len(t.raw_data) < 1024 for t in model.graph.initializer)  # weights: files
+    assert Engine(bundle).main.model.int4_projections == count

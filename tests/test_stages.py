@@ -10,9 +10,10 @@ import onnx_graphsurgeon as gs
 import pytest
 
 from dspark.compiler.contract import check_contract, load_header
+from dspark.compiler.lazy_weights import import_lazy
 from dspark.compiler.passes.attention import find_attentions
 from dspark.compiler.passes.bind import Meaning, classify
-from dspark.compiler.passes.optimize import load_full, optimize
+from dspark.compiler.passes.optimize import optimize
 from dspark.compiler.passes.probe import PROBE_SHAPES
 from dspark.compiler.passes.segments import cut_segments
 from dspark.compiler.weights import ALIGN, WeightStore
@@ -26,7 +27,7 @@ def optimized(fixture_pairs, tmp_path_factory):
     for key, (main, _) in fixture_pairs.items():
         contract = check_contract(main, load_header(main))
         path = optimize(contract, tmp_path_factory.mktemp("opt"), "main")
-        out[key] = (contract, gs.import_onnx(load_full(path)))
+        out[key] = (contract, import_lazy(path))
     return out
 
 
@@ -118,3 +119,35 @@ def test_weight_store_places_each_name_once_page_aligned():
     assert len(data) == ALIGN + 1200
     assert np.array_equal(np.frombuffer(data[:4000], np.float32), np.arange(1000))
     assert m1.graph.initializer[1].raw_data  # tiny tensors stay inline
+
+
+def test_weights_stay_in_their_file_through_the_passes_and_are_copied_once(tmp_path):
+    """compiler/lazy_weights.py: imported, a weight is a reference to its file (read when a
+    pass asks for its values); a session built on a piece of the graph gets it inline; the
+    store copies it from its file, file to file, once, page-aligned, under its new name."""
+    from dspark.compiler.lazy_weights import FileValues, import_lazy, session_bytes
+    from dspark.runtime.model.sessions import make_session
+
+    w = np.arange(2048, dtype=np.float32).reshape(32, 64)
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 32])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 64])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                                   [x], [y], [onnx.numpy_helper.from_array(w, "w")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    onnx.save(model, str(tmp_path / "m.onnx"), save_as_external_data=True,
+              location="m.weights", size_threshold=1024)
+    lazy = import_lazy(tmp_path / "m.onnx")
+    const = lazy.tensors()["w"]
+    assert isinstance(const._values, FileValues)
+    assert np.array_equal(const.values, w)
+    session = make_session(session_bytes(lazy), level="none")  # no folder: the bytes hold w
+    ones = np.ones((1, 32), np.float32)
+    assert np.allclose(session.run(None, {"x": ones})[0], ones @ w)
+    buf = io.BytesIO()
+    store = WeightStore(buf, "weights.bin", source=tmp_path)
+    exported = gs.export_onnx(lazy)
+    assert store.externalize(exported) == 1 and store.externalize(gs.export_onnx(lazy)) == 1
+    assert buf.getvalue() == w.tobytes()  # placed once
+    ext = {e.key: e.value for e in exported.graph.initializer[0].external_data}
+    assert ext == {"location": "weights.bin", "offset": "0", "length": str(w.nbytes)}
+    assert lazy.tensors()["w"]._values.tensor.external_data[0].value == "m.weights"

@@ -77,6 +77,7 @@ class _Conditions:
 
     def __init__(self, graph: gs.Graph, contract: InputContract, ifs: list[gs.Node],
                  nodes: list[gs.Node], reads: set[str]):
+        from dspark.compiler.lazy_weights import session_bytes
         from dspark.runtime.model.sessions import make_session
 
         self.contract, self.ifs, self.reads = contract, ifs, reads
@@ -85,8 +86,7 @@ class _Conditions:
         sub = gs.Graph(nodes=sorted(nodes, key=lambda n: order[id(n)]), inputs=inputs,
                        outputs=[n.inputs[0] for n in ifs], opset=graph.opset,
                        import_domains=graph.import_domains)
-        self.session = make_session(
-            gs.export_onnx(sub, do_type_check=False).SerializeToString(), level="none")
+        self.session = make_session(session_bytes(sub), level="none")
 
     def branches(self, shape: ProbeShape) -> tuple[bool, ...]:
         ids = np.zeros((1, shape.new), np.int64)

@@ -25,7 +25,8 @@ def optimize(contract: InputContract, workdir: Path, role: str) -> Path:
         "session.optimized_model_external_initializers_min_size_in_bytes": "1024",
     }
     try:
-        make_session(contract.path, level="basic", optimized_path=out, config=config)
+        make_session(contract.path, level="basic", optimized_path=out, config=config,
+                     prepack=False)
     except Exception as e:  # noqa: BLE001 - onnxruntime raises bare RuntimeErrors
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelInputError(f"{contract.path}: onnxruntime cannot load it: {first}") from None
@@ -77,7 +78,8 @@ def infer_types(path: Path) -> onnx.ModelProto:
     """The model (weights left external) with types and shapes of every tensor.
 
     ONNX inference stops at contrib ops (an int4 draft's MatMulNBits); onnxruntime's symbolic
-    inference knows them, so it runs when the graph has any (it reads the weights).
+    inference knows them, so it runs when the graph has any (it reads the weights: without
+    them its types come out incomplete).
     """
     model = onnx.load(str(path), load_external_data=False)
     if all(n.domain in ("", "ai.onnx") for n in model.graph.node):
@@ -92,8 +94,3 @@ def infer_types(path: Path) -> onnx.ModelProto:
     del model.graph.value_info[:]
     model.graph.value_info.extend(full.graph.value_info)
     return model
-
-
-def load_full(path: Path) -> onnx.ModelProto:
-    """The optimized model with its weights, for graph surgery."""
-    return onnx.load(str(path), load_external_data=True)

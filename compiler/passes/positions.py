@@ -63,6 +63,7 @@ class _Subgraph:
     """The position-only subgraph's float tensors, run at chosen positions."""
 
     def __init__(self, graph: gs.Graph, source: gs.Variable, nodes: list[gs.Node]):
+        from dspark.compiler.lazy_weights import session_bytes
         from dspark.runtime.model.sessions import make_session
 
         self.outputs = [t for n in nodes for t in n.outputs
@@ -73,8 +74,7 @@ class _Subgraph:
         if self.outputs:
             sub = gs.Graph(nodes=nodes, inputs=[source], outputs=self.outputs,
                            opset=graph.opset, import_domains=graph.import_domains)
-            self.session = make_session(
-                gs.export_onnx(sub, do_type_check=False).SerializeToString(), level="none")
+            self.session = make_session(session_bytes(sub), level="none")
 
     def run(self, positions: np.ndarray) -> list[np.ndarray]:
         return self.session.run(None, {POSITION_IDS: positions.astype(self.dtype)[None]})

@@ -89,7 +89,7 @@ class Prober:
                 model.graph.output.append(onnx.helper.make_tensor_value_info(name, elem_type, None))
         path = model_path.with_name(model_path.stem + ".probe.onnx")
         onnx.save(model, str(path))
-        self.session = make_session(path, level="none")
+        self.session = make_session(path, level="none", prepack=False)
         self.contract = contract
         self.vocab_size = vocab_size
 

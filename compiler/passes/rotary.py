@@ -152,13 +152,13 @@ class TableMaker:
         self.session = None
         if set(sources) != {POSITION_IDS}:
             return
+        from dspark.compiler.lazy_weights import session_bytes
         from dspark.runtime.model.sessions import make_session
 
         sub = gs.Graph(nodes=nodes, inputs=[sources[POSITION_IDS]], outputs=[cos, sin],
                        opset=graph.opset, import_domains=graph.import_domains)
         self.dtype = np.dtype(sources[POSITION_IDS].dtype or np.int64)
-        self.session = make_session(gs.export_onnx(sub, do_type_check=False).SerializeToString(),
-                                    level="none")
+        self.session = make_session(session_bytes(sub), level="none")
 
     def rows(self, positions: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray] | None:
         """cos, sin [len(positions), width] at these positions, or None if not that shape."""

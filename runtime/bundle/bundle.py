@@ -21,10 +21,12 @@ from pathlib import Path
 from dspark.kernels.spec import KernelSpec
 from dspark.runtime.bundle.config import CONFIG_FILE, DFlashConfig, load_config
 from dspark.runtime.bundle.datastore import STORE_FILE, Datastore
+from dspark.runtime.bundle.file_check import check_files
 from dspark.runtime.bundle.manifest import Manifest
 from dspark.runtime.bundle.memory_plan import MemoryPlan
 from dspark.runtime.bundle.spec import ModelSpec
 from dspark.runtime.bundle.token_map import TokenMap
+from dspark.runtime.env import read_env
 from dspark.runtime.errors import BundleError
 from dspark.runtime.version import BUNDLE_FORMAT_VERSION
 
@@ -151,29 +153,19 @@ def _contain(root: Path, files: dict) -> None:
                               "the bundle")
 
 
-def _verify_files(root: Path, files: dict) -> None:
-    for rel, entry in sorted(files.items()):
-        if rel in MUTABLE_FILES:
-            continue
-        path = root / rel
-        if not path.is_file():
-            raise BundleError(f"{path}: missing from bundle")
-        if path.stat().st_size != entry["size"]:
-            raise BundleError(
-                f"{path}: size {path.stat().st_size} != {entry['size']} in manifest (truncated?)"
-            )
-        if sha256_file(path) != entry["sha256"]:
-            raise BundleError(f"{path}: sha256 does not match the manifest (tampered?)")
-
-
-def open_bundle(path: str | Path, verify: bool = True, config_path: str | Path | None = None
-                ) -> Bundle:
-    """Load a bundle, checking format version and (by default) every immutable file's hash."""
+def open_bundle(path: str | Path, verify: bool = True, config_path: str | Path | None = None,
+                full_hash: bool = False) -> Bundle:
+    """Load a bundle, checking format version and (by default) every immutable file's size
+    and sha256: those this machine hashed before and that have not changed since are not
+    hashed again unless `full_hash` or DSPARK_HASH=full (file_check.py)."""
     root = Path(path)
     manifest = _read_manifest(root)
     _contain(root, manifest.files)
     if verify:
-        _verify_files(root, manifest.files)
+        env = read_env()
+        records = None if full_hash or env.full_hash else env.cache_dir
+        check_files(root, {rel: entry for rel, entry in manifest.files.items()
+                           if rel not in MUTABLE_FILES}, sha256_file, records)
     try:
         plan = MemoryPlan.from_dict(json.loads((root / MEMORY_PLAN_FILE).read_text()))
     except (OSError, ValueError, KeyError, TypeError) as e:

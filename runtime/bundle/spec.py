@@ -84,6 +84,9 @@ class ModelSpec:
     # positions the bundle serves at most: its rotary tables' rows, and the length its
     # attention spans were proven to (dsc compile --max-seq-len); None: older bundles
     max_positions: int | None = None
+    # graph_file with its low-bit projections as MatMulInt4, their groups packed beside it
+    # (compiler/int4_stage.py); None: none is eligible
+    int4_graph_file: str | None = None
 
     @property
     def windows(self) -> tuple[int, ...]:

@@ -5,9 +5,10 @@ the sample's 8 s load, 27 s of a 1.1B fp32 main's 42).
 A table is filed under a key of everything it depends on: the bundle's manifest (its models
 and flags), the CPU's model and flags (device.cpu_line), the intra-op threads, the device,
 and dspark's version. Read back, it is only a starting point: every forward updates the
-table as it runs (costs.py), so traffic keeps measuring it; a table older than MAX_AGE_S is
-measured again at load. Files live in DSPARK_CACHE/costs (default build/costs), written to a
-temp name and renamed.
+table as it runs (costs.py), so traffic keeps measuring it. A table older than MAX_AGE_S is
+still read back (the load does not wait for a warm-up), and written again once REFRESH
+forwards have measured it anew: remeasured in the background, by the traffic itself. Files
+live in DSPARK_CACHE/costs (default build/costs), written to a temp name and renamed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dspark.runtime.model.device import cpu_line
 from dspark.runtime.version import __version__
 
 MAX_AGE_S = 7 * 24 * 3600
+REFRESH = 200  # forwards a stale table runs before it is written back
 
 
 def cache_path(bundle: Bundle, device: str) -> Path:
@@ -37,13 +39,15 @@ def cache_path(bundle: Bundle, device: str) -> Path:
 
 
 def load(path: Path, costs: CostModel) -> bool:
-    """Fill `costs` from the table at `path`; False (untouched) if none, unreadable or stale."""
+    """Fill `costs` from the table at `path`; False (untouched) if none or unreadable. A
+    stale table fills it too, and is saved again after REFRESH forwards refined it."""
     try:
-        if time.time() - path.stat().st_mtime > MAX_AGE_S:
-            return False
+        stale = time.time() - path.stat().st_mtime > MAX_AGE_S
         costs.restore(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError):
         return False
+    if stale:
+        costs.after(REFRESH, lambda table: save(path, table))
     return True
 
 

@@ -51,7 +51,13 @@ class CostModel:
         self.tables: dict[bool, dict[str, dict[int, float]]] = {}
         self.measured: dict[bool, set[tuple[str, int]]] = {}
         self.per_seq: dict[str, float] = {}
+        self._then: tuple[int, object] | None = None  # (records left, call) of after()
         self.reset()
+
+    def after(self, records: int, call) -> None:
+        """Call `call(self)` once, when `records` more forwards have been recorded (a table
+        read back stale is written back once traffic has measured it again)."""
+        self._then = (records, call)
 
     def reset(self) -> None:
         """Forget the forward-size tables (a new profile follows)."""
@@ -101,6 +107,11 @@ class CostModel:
     def record(self, role: str, tokens: int, seconds: float, seqs: int = 1) -> None:
         if tokens < 1 or seconds <= 0:
             return
+        if self._then is not None:
+            left, call = self._then
+            self._then = (left - 1, call) if left > 1 else None
+            if left <= 1:
+                call(self)
         base = self.seconds(role, tokens) if seqs > 1 else None
         if base is not None:
             residual = max(0.0, (seconds - base) / (seqs - 1))

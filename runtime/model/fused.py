@@ -27,7 +27,7 @@ from dspark.runtime.cache.kv_arena import KVArena
 from dspark.runtime.env import read_env
 from dspark.runtime.model.batch import FlatBatch
 from dspark.runtime.model.executor import StepClock, id_input_types
-from dspark.runtime.model.int4_rows import rewrite_int4
+from dspark.runtime.model.int4_rows import set_int4_paths
 from dspark.runtime.model.load_gate import shared_gate
 from dspark.runtime.model.quant_rows import rewrite_quantize
 from dspark.runtime.model.row_ops import rewrite_rows
@@ -51,14 +51,18 @@ def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int],
                 groups: dict[int, str] | None = None, kv_dtype: str = "float32"
                 ) -> tuple[bytes, int]:
     """The role's whole graph with arena and batch inputs on every SpeculativeVerify node,
-    and how many projections became MatMulInt4. pool_shape: (kv_heads, block_size, row
+    and how many projections run as MatMulInt4. pool_shape: (kv_heads, block_size, row
     floats) of the pool the model reads (a row: one token's values of one KV head as
-    `kv_dtype` stores them, cpu_kv.c). `int4_path`: run its low-bit projections as
-    MatMulInt4 on that path (int4_rows.py; None: keep MatMulNBits); `few_rows`:
-    rewrite_int4's. `groups`: each layer's KV group (its block tables; default: one)."""
+    `kv_dtype` stores them, cpu_kv.c). `int4_path`: run the bundle's MatMulInt4 graph
+    (its projections packed by dsc compile, int4_rows.py) on that path (None: the
+    MatMulNBits one); `few_rows`: set_int4_paths'. `groups`: each layer's KV group (its
+    block tables; default: one). Only the graph is rewritten and serialized: the weights
+    stay in the bundle's files, which onnxruntime reads."""
     groups = groups or {}
     spec = bundle.model(role)
-    model = onnx.load(str(bundle.path(spec.graph_file)), load_external_data=False)
+    packed = int4_path is not None and spec.int4_graph_file is not None
+    graph_path = bundle.path(spec.int4_graph_file if packed else spec.graph_file)
+    model = onnx.load(str(graph_path), load_external_data=False)
     graph = model.graph
     # The compiler's value_info describes the segments' views (rotary's [T, 1, ...]), not
     # this op's outputs: onnxruntime infers what it needs.
@@ -88,12 +92,12 @@ def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int],
         graph.input.append(helper.make_tensor_value_info(name, i64, ["seqs", "max_blocks"]))
     for name in (STARTS, QOFFS, NEWS):
         graph.input.append(helper.make_tensor_value_info(name, i64, ["seqs"]))
-    folder = bundle.path(spec.graph_file).parent
+    folder = graph_path.parent
     if read_env().cpu_rows:
         rewrite_rows(model, folder)
         rewrite_quantize(model, folder)
-    rewritten = (rewrite_int4(model, folder, read_env().threads, ISA_PATHS.index(int4_path),
-                              few_rows) if int4_path else 0)
+    rewritten = (set_int4_paths(model, folder, read_env().threads, ISA_PATHS.index(int4_path),
+                                few_rows) if packed else 0)
     split_float_zero_points(model, folder)  # those MatMulInt4 did not take
     return model.SerializeToString(), rewritten
 

@@ -1,14 +1,13 @@
 """Low-bit projections as MatMulInt4 (kernels/cpu_int4.c): graph rewrite, group packing.
 
-A draft that reads the main's KV cache (the self-speculative int4 copy) runs 1-3 tokens a
-forward, right after the main's step evicted its weights from the cache, so its forward is
-mostly a read of every projection: SmolLM2's draft forward after a main step took 6.3 ms with
-onnxruntime's MatMulNBits, 4.7 with MatMulInt4's first layout (streamed rows, a horizontal
-sum each) and 4.1-5.1 with its groups of 16 interleaved rows (2.7 against 4.0 ms with the
-weights in the cache). Many rows gain as much (a 128-token prefill of that draft: 100 against
-201 ms). Applied when the fused session is built (runtime/model/fused.py), on the bundle's
-MatMulNBits as the compiler left them; the bundle is unchanged and other executors
-(segments, CUDA) never see the op.
+A draft that reads the main's KV cache runs 1-3 tokens a forward, right after the main's
+step evicted its weights from the cache, so its forward is mostly a read of every projection:
+MatMulInt4's groups of 16 interleaved rows read it faster than onnxruntime's MatMulNBits,
+and many rows gain as much (docs/performance.md, MatMulInt4). `dsc compile` packs them
+(pack_int4) into the bundle's `<role>/int4.bin` beside a graph that reads them
+(`model_int4.onnx`, compiler/int4_stage.py), so a load only sets each node's path and
+threads for its CPU (set_int4_paths); other executors (segments, CUDA, a CPU without the
+op's vector paths) run the bundle's MatMulNBits graph and never see the op.
 
 Rewritten: MatMulNBits with 4 or 8 bits, blocks of 32, accuracy level 4 (int8 arithmetic,
 which MatMulInt4 does too), no group index or bias, K a multiple of 32, weights, scales and
@@ -185,13 +184,14 @@ def few_rows_chooser(library: Path, best: str, paths: tuple[str, ...]
     return choose
 
 
-def rewrite_int4(model: onnx.ModelProto, folder: Path, threads: int, isa: int = -1,
-                 few_rows: Callable[..., int] | None = None) -> int:
+def pack_int4(model: onnx.ModelProto, folder: Path,
+              place: Callable[[onnx.TensorProto], None] | None = None) -> int:
     """Every eligible MatMulNBits of `model` (its external data under `folder`) becomes a
-    MatMulInt4 reading packed groups, held in the model, split over `threads`, on path `isa`
-    (kernels/cpu_int4.h; -1: the best the CPU runs); the count rewritten. A projection whose
-    scales or mins float16 cannot hold stays MatMulNBits. `few_rows(packed, k, n, bits,
-    mins)`: an 8-bit projection's path for calls of one or two rows (default `isa`)."""
+    MatMulInt4 reading packed groups, held in the model; the count rewritten. `place(t)`:
+    called on each group's initializer as it is made, to move its data out of the model
+    (the compiler writes it to the bundle's int4.bin: one projection in memory at a time).
+    A projection whose scales or mins float16 cannot hold stays MatMulNBits. Which paths
+    and threads each runs is this machine's (set_int4_paths)."""
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     done, replaced = 0, set()
@@ -210,12 +210,12 @@ def rewrite_int4(model: onnx.ModelProto, folder: Path, threads: int, isa: int = 
         rows_name = f"{node.output[0]}/int4_groups"  # output names are unique in a graph
         packed = pack_groups(b, scales, k, n, bits, mins)
         graph.initializer.append(numpy_helper.from_array(packed, rows_name))
+        del packed
+        if place is not None:
+            place(graph.initializer[-1])
         replaced.update(name for name in node.input[1:] if name)
-        few = (few_rows(packed, k, n, bits, mins is not None)
-               if few_rows is not None and bits == 8 else isa)
         new = helper.make_node(OP, [node.input[0], rows_name], list(node.output), name=node.name,
-                               domain=DOMAIN, K=k, N=n, threads=threads, bits=bits,
-                               mins=int(mins is not None), isa=isa, isa_few=few)
+                               domain=DOMAIN, K=k, N=n, bits=bits, mins=int(mins is not None))
         node.CopyFrom(new)
         done += 1
     if done:
@@ -225,4 +225,38 @@ def rewrite_int4(model: onnx.ModelProto, folder: Path, threads: int, isa: int = 
         graph.initializer.extend(keep)
         if not any(o.domain == DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return done
+
+
+def set_int4_paths(model: onnx.ModelProto, folder: Path, threads: int, isa: int = -1,
+                   few_rows: Callable[..., int] | None = None) -> int:
+    """Each MatMulInt4 of `model` split over `threads`, on path `isa` (kernels/cpu_int4.h;
+    -1: the best the CPU runs); the count. `few_rows(packed, k, n, bits, mins)`: an 8-bit
+    projection's path for calls of one or two rows (default `isa`; its packed groups are
+    read from `folder` only then)."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    count = 0
+    for node in model.graph.node:
+        if node.op_type != OP or node.domain != DOMAIN:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        few = isa
+        if few_rows is not None and attrs["bits"] == 8:
+            packed = initializer_array(initializers[node.input[1]], folder)
+            few = few_rows(packed, attrs["K"], attrs["N"], 8, bool(attrs["mins"]))
+        keep = [a for a in node.attribute if a.name not in ("threads", "isa", "isa_few")]
+        del node.attribute[:]
+        node.attribute.extend([*keep, helper.make_attribute("threads", threads),
+                               helper.make_attribute("isa", isa),
+                               helper.make_attribute("isa_few", few)])
+        count += 1
+    return count
+
+
+def rewrite_int4(model: onnx.ModelProto, folder: Path, threads: int, isa: int = -1,
+                 few_rows: Callable[..., int] | None = None) -> int:
+    """pack_int4, then set_int4_paths: the model as this machine runs it, its groups held
+    in the model (dsc verify's original with the runtime's arithmetic)."""
+    done = pack_int4(model, folder)
+    set_int4_paths(model, folder, threads, isa, few_rows)
     return done

@@ -50,12 +50,14 @@ EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
 def make_session(path: str | Path | bytes, level: str = "all", optimized_path: Path | None = None,
                  config: dict[str, str] | None = None, providers: list | None = None,
                  profile_prefix: str | None = None, custom_ops: Path | None = None,
-                 solo: bool = False) -> ort.InferenceSession:
+                 solo: bool = False, prepack: bool = True) -> ort.InferenceSession:
     """A session on the shared pool (`level`: none, basic, extended or all graph optimization);
     `path` may also be a serialized model. `providers` default to the CPU's.
     `profile_prefix`: write onnxruntime's per-op profile there (end_profiling() names it).
     `custom_ops`: a shared library of custom ops to register (kernels/cpu_op.py).
-    `solo`: no pool at all, every op on the calling thread (load_gate.py)."""
+    `solo`: no pool at all, every op on the calling thread (load_gate.py).
+    `prepack=False`: kernels keep the weights as loaded instead of adding a packed copy
+    (the compiler's sessions: one run or a few, on a model that may fill the memory)."""
     shared = init_threads() and not solo
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -80,6 +82,8 @@ def make_session(path: str | Path | bytes, level: str = "all", optimized_path: P
         so.optimized_model_filepath = str(optimized_path)
     if custom_ops is not None:
         so.register_custom_ops_library(str(custom_ops))
+    if not prepack:
+        so.add_session_config_entry("session.disable_prepacking", "1")
     for key, value in (config or {}).items():
         so.add_session_config_entry(key, value)
     model = path if isinstance(path, bytes) else str(path)
