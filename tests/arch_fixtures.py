@@ -173,18 +173,25 @@ def build_capped_gemma2(root: Path) -> dict[str, Path]:
 
 
 # optimum's exporter itself (optimum-cli export onnx --task text-generation-with-past), in
-# its own venv (samples/peer_setup.optimum_venv: optimum-onnx pins transformers 4)
+# its own venv (`python bench/peer_setup.py optimum-venv`: optimum-onnx pins transformers 4)
 OPTIMUM_ARCHS = {"llama": (0, 0, 0), "qwen3": (0, 0, 0), "phi3": (0, 0, 0),
                  "mistral": (SLIDING_WINDOW,) * 3, "gemma3": (SLIDING_WINDOW,) * 5 + (0,),
                  "gpt2": (0, 0, 0), "qwen3-moe": (0, 0, 0), "gptj": (0, 0, 0),
                  "phi": (0, 0, 0)}
 
 
+def optimum_venv() -> Path:
+    """The bin folder of optimum's venv, as the peer benchmark makes it (once; the path is
+    its last line, after pip's)."""
+    from script_runner import run_script
+
+    return Path(run_script("bench/peer_setup.py", "optimum-venv", check=True,
+                           capture_output=True, text=True).stdout.splitlines()[-1])
+
+
 def build_optimum_exports(root: Path) -> dict[str, Path]:
     """{arch: model.onnx} of OPTIMUM_ARCHS as optimum exports them, built once into root."""
     import subprocess
-
-    from peer_setup import optimum_venv
 
     folder = root / "fixtures-optimum"
     out = {arch: folder / arch / "model.onnx" for arch in OPTIMUM_ARCHS}
@@ -208,8 +215,6 @@ def build_optimum_quantized(root: Path) -> dict[str, Path]:
     {"all": every MatMul quantized, the attention's too; "no-attention": those left out}."""
     import shutil
     import subprocess
-
-    from peer_setup import optimum_venv
 
     export = build_optimum_exports(root)["llama"].parent
     folder = root / "fixtures-optimum-int8"

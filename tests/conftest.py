@@ -34,7 +34,6 @@ init_threads()  # the shared onnxruntime pool must exist before the first sessio
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "build"
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "samples"))
 
 from dspark.compiler.compile import CompileOptions  # noqa: E402
 
@@ -89,11 +88,12 @@ def int4_self_bundle(fixture_pairs, tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def smollm2_pair() -> Path:
-    """The README's sample: SmolLM2-135M-Instruct fp32 main + int4 draft (cached in build/)."""
-    import smollm2
+    """The README's sample: SmolLM2-135M-Instruct fp32 main + int4 draft (cached in build/),
+    made as a user makes it: samples/smollm2.py, run."""
+    from script_runner import run_script
 
     out = BUILD / "smollm2"
-    smollm2.build(out)
+    run_script("samples/smollm2.py", "--out", out, check=True)
     return out
 
 

@@ -176,18 +176,6 @@ def test_templates_render_for_every_fixture_model(compiled):
                 assert f"HEAD_DIM = tl.constexpr({ks.head_dim})" in text
 
 
-def test_gpu_benchmark_cases_are_correct_on_the_cpu(tmp_path):
-    """samples/bench_kernels.py's set-up (paged arena, slots, SDPA baseline) at a tiny size
-    under the interpreter: the kernel it times matches the baseline it is compared with."""
-    import bench_kernels
-
-    built = bench_kernels.build_case(
-        (16, 4, 2), 2, 37, 3, 16, torch.device("cpu"),
-        lambda spec: KernelLibrary(spec, str(tmp_path), interpret=True))
-    assert built["max_abs_err"] < 3e-3
-    assert built["bytes"] == 2 * 2 * 2 * 40 * 16 * 2 + 2 * 6 * 4 * 16 * 2
-
-
 def test_bundle_carries_cubins_per_arch(compiled):
     from dspark.kernels.aot import KERNELS
     from dspark.runtime.bundle.bundle import open_bundle, sha256_file

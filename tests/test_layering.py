@@ -68,3 +68,30 @@ def test_the_compiler_uses_the_runtimes_public_api():
                for m in _imports(path, True)
                if m.startswith(("runtime.cli", "runtime.engine"))}
     assert not reached, sorted(reached)
+
+
+SCRIPT_FOLDERS = ("samples", "bench", "tools")
+
+
+def test_every_script_is_listed_in_its_folders_readme():
+    for folder in SCRIPT_FOLDERS:
+        readme = (ROOT / folder / "README.md").read_text()
+        scripts = [p.name for p in (ROOT / folder).iterdir() if p.suffix in (".py", ".c")]
+        assert scripts, folder
+        missing = [name for name in scripts if f"`{name}`" not in readme]
+        assert not missing, f"{folder}/README.md does not list {missing}"
+
+
+def test_no_test_imports_a_script():
+    """Scripts are run, not imported: a test that needs one runs it (a subprocess)."""
+    scripts = {p.stem for folder in SCRIPT_FOLDERS for p in (ROOT / folder).glob("*.py")}
+    for path in (ROOT / "tests").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {alias.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                 for alias in n.names}
+        names |= {n.module.split(".")[0] for n in ast.walk(tree)
+                  if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+        assert not names & scripts, f"{path.name} imports {sorted(names & scripts)}"
+        text = path.read_text()
+        assert not any(f'ROOT / "{folder}"))' in text for folder in SCRIPT_FOLDERS), (
+            f"{path.name} puts a script folder on sys.path")

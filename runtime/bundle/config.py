@@ -139,7 +139,7 @@ class VerifyBalanceConfig:
     low_utilisation: float = 0.60
     high_utilisation: float = 0.85
     # The seed's 2 per round measured 1.05x against 1.16x for the whole window at one
-    # request on the 2-core CPU (samples/bench_vlb.py): holding drafts wastes the draft work
+    # request on the 2-core CPU (bench/bench_vlb.py): holding drafts wastes the draft work
     # when verify tokens are nearly free. Under heavy batching the gate suspends drafting.
     steady_tokens_low: int = 8
     steady_tokens_mid: int = 2

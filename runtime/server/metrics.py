@@ -12,7 +12,7 @@ running sums per tenant (added as rounds arrive, taken off as they leave the min
 from a sorted list of the minute's verify times, and every labelled child is looked up
 once. Recomputing them from the minute at every step cost 0.29-0.44 ms a step for plain
 decoding and 2.1-3.6 ms for speculative rounds with a minute of 12000 steps behind it (an
-int4 SmolLM2 decodes in ~4 ms); now 11-21 us (samples/bench_metrics_step.py).
+int4 SmolLM2 decodes in ~4 ms); now 11-21 us (bench/bench_metrics_step.py).
 """
 
 from __future__ import annotations
