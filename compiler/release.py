@@ -2,9 +2,11 @@
 
 Python frees a stage's arrays and protos, but glibc's allocator keeps most of the freed
 memory for reuse, so the process's RSS stays at the stage's peak: an int4 1.2B main's
-compile climbed stage by stage to 4.7x its weights. A collection and malloc_trim(0) after
-each stage (compiler/progress.py) hand it back (to 3.3x there). Nothing happens where libc
-has no malloc_trim (not glibc).
+compile climbed stage by stage to 4.7x its weights. malloc_trim(0) after each stage
+(compiler/progress.py) hands it back (to 3.3x there), in about a millisecond. No garbage
+collection: arrays and protos go when their last reference does, and a full collection cost
+0.12 s a stage, a fifth of a small model's compile. Nothing happens where libc has no
+malloc_trim (not glibc).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import gc
 
 
 @functools.cache
@@ -24,7 +25,6 @@ def _trim():
 
 
 def release() -> None:
-    gc.collect()
     trim = _trim()
     if trim is not None:
         trim(0)

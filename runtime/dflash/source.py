@@ -18,18 +18,17 @@ source must beat plain decoding by MARGIN. A model that loses is re-measured wit
 cheap round after `explore_every` rounds without it, and only once those rounds' time pays
 for the trial's extra seconds EXPLORE_SHARE times over: a draft dearer than the main (a CPU
 where its kernel is slow, a core taken by other work) is tried rarely enough that the
-trials cost at most that share. Measured: a draft at 6 main steps re-tried every 8 rounds
-took default speculation to 0.75x of plain.
+trials cost at most that share (re-tried at a fixed period, such a draft cost a quarter of
+plain decoding's speed).
 
 The costs leave out the engine's own per-round work and drift with the context, so rounds
 take longer than predicted: for model rounds and for plain rounds alike, each tracked as
 predicted / realized seconds. The model is scored by its own ratio relative to plain's;
-scoring it by its own alone charged it for what plain decoding pays too, and on a CPU (a
-ratio of ~0.75 for both) turned most rounds plain when the model was 10-25% faster. Seconds,
-not tokens per second: a round's tokens are luck the survivals already model, and a ratio of
-realized to predicted rates swung with every rejected draft (a window-1 round realizes 1 or
-2 tokens): a few unlucky rounds turned the model off for a sequence where drafting paid
-(chat prompts: 60 tok/s against 62 for a fixed window, code 68 against 76).
+scoring it by its own alone charged it for what plain decoding pays too, and turned most
+rounds plain where the model was faster. Seconds, not tokens per second: a round's tokens
+are luck the survivals already model, and a ratio of realized to predicted rates swung with
+every rejected draft (a window-1 round realizes 1 or 2 tokens), so a few unlucky rounds
+turned the model off for a sequence where drafting paid.
 """
 
 from __future__ import annotations

@@ -8,13 +8,10 @@
               a floor: DWC's late window is small on a 2-core CPU (its rules scaled to the
               device row's 4), and the hybrid's own survival estimates decide better. While
               the draft's tokens hold on the sequence (>= LONG_ACCEPTANCE of them) the floor
-              is `drafting.hybrid_min_window` (8: the whole cap); with the draft that holds
-              the main's weights exactly (dsc quantize, 94-97% held) that measured chat
-              +3-6%, code +13-18%, edit +3-4% over a floor of 4 under a cap of 6
-              (interleaved, greedy and t=0.7). Else SHORT_FLOOR (4): with onnxruntime's
-              symmetric int4 draft (69-76% held) the whole cap measured chat and code -7%
-              sampled (edit +5%, greedy -1-3%), as it over-predicts long windows (the most
-              optimistic of noisy estimates wins).
+              is `drafting.hybrid_min_window` (the whole cap: a draft that holds the main's
+              weights exactly keeps most of a long window); else SHORT_FLOOR, since a draft
+              that holds less is over-predicted on long windows (the most optimistic of
+              noisy estimates wins). The runs behind both: docs/experiments.md.
     propose   the drafting's one call of the round (DraftJob per slot, each with its keep
               rule: the policy's per-token rule for the draft model)
     balance   VLB's fast + steady lanes; then, where the policy models survival (goodput) or

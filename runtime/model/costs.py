@@ -8,22 +8,19 @@ updates both; a warm-up profile fills the table first.
 
 Draft forwards have two rows: "draft" for a round's first (it follows a main forward, whose
 weights pushed the draft's state out of the caches, and reads any catch-up tokens) and
-DRAFT_STEP for the ones after it. The draft model drafter records them itself, each with the
-drawing of its token from the logits (~0.3 ms on SmolLM2's 49k vocabulary): the cost of a
-draft, not of a forward alone. Likewise a main forward right after draft forwards (their
-weights evicted part of the main's from the caches: SmolLM2, 1-3 tokens, +0.6 ms) records
-into AFTER_DRAFT, which prices the verify of a model round; plain and lookup rounds' verifies
-and prompts stay in "main". On SmolLM2's int4 draft a one-token first forward took
-7.0 ms and a following one 5.8: one row for both overcharged every draft past the first.
+DRAFT_STEP for the ones after it (a first forward costs more than the next: one row for both
+overcharged every draft past the first). The draft model drafter records them itself, each
+with the drawing of its token from the logits: the cost of a draft, not of a forward alone.
+Likewise a main forward right after draft forwards (their weights evicted part of the main's
+from the caches) records into AFTER_DRAFT, which prices the verify of a model round; plain
+and lookup rounds' verifies and prompts stay in "main".
 
 Forwards that leave the pool while other processes hold the cores (load_gate.py) cost
-otherwise: SmolLM2 int4 under load (with onnxruntime's norms, before row_ops.py), a decode
-5.1 ms solo against 8.9 on the pool, an 8-token verify 11.6 against 16.3: a verify is dearer
-against a decode solo. Each mode keeps its own
-table (`mode`: whether forwards now run solo). A mode first met starts from a copy of the
-other's, and each of its sizes takes its first own measurement whole: with one table the
-sizes a round seldom verifies kept the idle machine's prices for minutes under load, and the
-windows leaned on them.
+otherwise, and a verify is dearer against a decode there. Each mode keeps its own table
+(`mode`: whether forwards now run solo). A mode first met starts from a copy of the other's,
+and each of its sizes takes its first own measurement whole: with one table the sizes a
+round seldom verifies kept the idle machine's prices for minutes under load, and the windows
+leaned on them.
 """
 
 from __future__ import annotations

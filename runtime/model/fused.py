@@ -27,7 +27,7 @@ from dspark.runtime.cache.kv_arena import KVArena
 from dspark.runtime.env import read_env
 from dspark.runtime.model.batch import FlatBatch
 from dspark.runtime.model.executor import StepClock, id_input_types
-from dspark.runtime.model.int4_rows import set_int4_paths
+from dspark.runtime.model.int4_rows import GROUPS_SUFFIX, initializer_array, set_int4_paths
 from dspark.runtime.model.load_gate import shared_gate
 from dspark.runtime.model.quant_rows import rewrite_quantize
 from dspark.runtime.model.row_ops import rewrite_rows
@@ -102,6 +102,21 @@ def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int],
     return model.SerializeToString(), rewritten
 
 
+def packed_groups(bundle: Bundle, role: str) -> dict[str, np.ndarray]:
+    """The role's packed int4 groups read into this process's memory, by initializer name
+    (none without a MatMulInt4 graph). Mapped from the bundle's file instead, onnxruntime
+    stepped 1-5% slower (page-cache pages, not the huge pages glibc gives our buffers:
+    tools/mapped_weights_probe.py); read here, they are held once, shared by every session
+    of the model."""
+    spec = bundle.model(role)
+    if spec.int4_graph_file is None:
+        return {}
+    path = bundle.path(spec.int4_graph_file)
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return {t.name: initializer_array(t, path.parent) for t in graph.initializer
+            if t.name.endswith(GROUPS_SUFFIX)}
+
+
 def block_tables(arena: KVArena, batch: FlatBatch, news: list[int], groups: tuple[str, ...],
                  dtype=np.int64) -> dict[str, np.ndarray]:
     """Per group, each sequence's blocks up to its last new token, [sequences, blocks]."""
@@ -142,8 +157,9 @@ class FusedModel:
             layout.dtype)
         config = {EXTERNAL_FOLDER: str(bundle.path(self.spec.graph_file).parent)}
         adaptive = read_env().adaptive
+        groups = packed_groups(bundle, role) if self.int4_projections else {}
         self.session = make_session(graph, custom_ops=library, profile_prefix=profile_prefix,
-                                    config=config)
+                                    config=config, initializers=groups)
         self.sessions = [self.session]
         self.layers = sorted({op.layer for op in self.spec.verify_ops})
         self.input_types = id_input_types(self.sessions)
@@ -154,7 +170,8 @@ class FusedModel:
         self.solo_ops = solo_ops(library) if self.gate is not None else None
         self.solo, self.solo_binding = None, None
         if adaptive:
-            self.solo = make_session(graph, custom_ops=library, config=config, solo=True)
+            self.solo = make_session(graph, custom_ops=library, config=config, solo=True,
+                                     initializers=groups)
             self.solo_binding = self._bound(self.solo)
         self.solo_forwards = 0
 

@@ -35,6 +35,7 @@ OP = "MatMulInt4"
 DOMAIN = "ai.dspark"
 BLOCK = 32
 LANES = 16  # outputs per group
+GROUPS_SUFFIX = "/int4_groups"  # a packed projection's initializer: its output's name + this
 
 
 def unpack(b: np.ndarray, k: int, n: int, bits: int) -> np.ndarray:
@@ -207,7 +208,7 @@ def pack_int4(model: onnx.ModelProto, folder: Path,
         mins = block_mins(zero_points, scales, bits, n, k // BLOCK)
         if not _halves_hold(scales) or (mins is not None and not _mins_hold(mins)):
             continue
-        rows_name = f"{node.output[0]}/int4_groups"  # output names are unique in a graph
+        rows_name = node.output[0] + GROUPS_SUFFIX  # output names are unique in a graph
         packed = pack_groups(b, scales, k, n, bits, mins)
         graph.initializer.append(numpy_helper.from_array(packed, rows_name))
         del packed

@@ -50,14 +50,17 @@ EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
 def make_session(path: str | Path | bytes, level: str = "all", optimized_path: Path | None = None,
                  config: dict[str, str] | None = None, providers: list | None = None,
                  profile_prefix: str | None = None, custom_ops: Path | None = None,
-                 solo: bool = False, prepack: bool = True) -> ort.InferenceSession:
+                 solo: bool = False, prepack: bool = True,
+                 initializers: dict | None = None) -> ort.InferenceSession:
     """A session on the shared pool (`level`: none, basic, extended or all graph optimization);
     `path` may also be a serialized model. `providers` default to the CPU's.
     `profile_prefix`: write onnxruntime's per-op profile there (end_profiling() names it).
     `custom_ops`: a shared library of custom ops to register (kernels/cpu_op.py).
     `solo`: no pool at all, every op on the calling thread (load_gate.py).
     `prepack=False`: kernels keep the weights as loaded instead of adding a packed copy
-    (the compiler's sessions: one run or a few, on a model that may fill the memory)."""
+    (the compiler's sessions: one run or a few, on a model that may fill the memory).
+    `initializers`: {name: array} used in place of the model's initializers of those names,
+    without a copy (the session keeps the arrays alive)."""
     shared = init_threads() and not solo
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -86,5 +89,10 @@ def make_session(path: str | Path | bytes, level: str = "all", optimized_path: P
         so.add_session_config_entry("session.disable_prepacking", "1")
     for key, value in (config or {}).items():
         so.add_session_config_entry(key, value)
+    values = [ort.OrtValue.ortvalue_from_numpy(a) for a in (initializers or {}).values()]
+    if values:
+        so.add_external_initializers(list(initializers), values)
     model = path if isinstance(path, bytes) else str(path)
-    return ort.InferenceSession(model, so, providers=providers or ["CPUExecutionProvider"])
+    session = ort.InferenceSession(model, so, providers=providers or ["CPUExecutionProvider"])
+    session.dspark_initializers = (initializers, values)  # onnxruntime reads them in place
+    return session
