@@ -127,25 +127,33 @@ def more_config(arch: str):
     raise ValueError(arch)
 
 
-def _export_once(path: Path, config, form: str) -> Path:
-    """A random-init model of `config` (seed 1234) exported in `form` to `path`, unless there
-    already (written beside, then renamed: a failed export leaves nothing)."""
+def export_config(path: Path, config, form: str) -> None:
+    """A random-init model of `config` (seed 1234) exported in `form` to `path` (written
+    beside, then renamed: a failed export leaves nothing)."""
     from transformers import AutoModelForCausalLM
 
-    if not path.exists():
-        torch.manual_seed(1234)
-        model = AutoModelForCausalLM.from_config(config).eval()
-        tmp = path.parent.with_suffix(".tmp")
-        export_causal_lm(model, tmp / path.name, form)
-        tmp.rename(path.parent)
-    return path
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    tmp = path.parent.with_suffix(".tmp")
+    export_causal_lm(model, tmp / path.name, form)
+    tmp.rename(path.parent)
+
+
+def _export_once(jobs: dict[str, tuple[Path, object, str]]) -> dict[str, Path]:
+    """{name: path} of jobs {name: (path, config, form)}, the missing ones exported side by
+    side (parallel_builds.py)."""
+    from parallel_builds import in_processes
+
+    missing = [job for job in jobs.values() if not job[0].exists()]
+    in_processes([(export_config, job) for job in sorted(missing, key=lambda j: j[2] != "dynamo")])
+    return {name: job[0] for name, job in jobs.items()}
 
 
 def build_more_archs(root: Path) -> dict[str, Path]:
     """{arch: main.onnx} for MORE_ARCHS, exported once per recipe into root."""
     folder = root / f"fixtures-{recipe_hash()}" / "more"
-    return {arch: _export_once(folder / arch / "main.onnx", more_config(arch),
-                               EXPORT_FORMS.get(arch, "classic")) for arch in MORE_ARCHS}
+    return _export_once({arch: (folder / arch / "main.onnx", more_config(arch),
+                                EXPORT_FORMS.get(arch, "classic")) for arch in MORE_ARCHS})
 
 
 # Gemma 2 as it ships: soft-capped attention scores and final logits (small caps here, 2 and
@@ -168,8 +176,8 @@ def capped_gemma2_config():
 def build_capped_gemma2(root: Path) -> dict[str, Path]:
     """{form: main.onnx} of the soft-capped Gemma 2, exported once per recipe into root."""
     folder = root / f"fixtures-{recipe_hash()}" / "gemma2-capped"
-    return {form: _export_once(folder / form / "main.onnx", capped_gemma2_config(), form)
-            for form in CAPPED_FORMS}
+    return _export_once({form: (folder / form / "main.onnx", capped_gemma2_config(), form)
+                         for form in CAPPED_FORMS})
 
 
 # optimum's exporter itself (optimum-cli export onnx --task text-generation-with-past), in
@@ -197,16 +205,17 @@ def build_optimum_exports(root: Path) -> dict[str, Path]:
     out = {arch: folder / arch / "model.onnx" for arch in OPTIMUM_ARCHS}
     missing = [arch for arch, path in out.items() if not path.exists()]
     if missing:
+        from parallel_builds import in_threads
+
         venv = optimum_venv()
         hf = folder / "hf"
         subprocess.run([str(venv / "python"), str(Path(__file__).with_name("optimum_models.py")),
                         str(hf), *missing], check=True, capture_output=True)
+        in_threads([[venv / "optimum-cli", "export", "onnx", "--model", hf / f"{arch}-hf",
+                     "--task", "text-generation-with-past", out[arch].parent.with_suffix(".tmp")]
+                    for arch in missing])
         for arch in missing:
-            tmp = out[arch].parent.with_suffix(".tmp")
-            subprocess.run([str(venv / "optimum-cli"), "export", "onnx", "--model",
-                            str(hf / f"{arch}-hf"), "--task", "text-generation-with-past",
-                            str(tmp)], check=True, capture_output=True)
-            tmp.rename(out[arch].parent)
+            out[arch].parent.with_suffix(".tmp").rename(out[arch].parent)
     return out
 
 

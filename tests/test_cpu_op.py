@@ -8,6 +8,8 @@ as one session against its segments, and the fallbacks when the op cannot be use
 
 from __future__ import annotations
 
+import subprocess
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -250,9 +252,15 @@ def test_one_session_matches_segments(compiled, library, arch, form, role):
 
 
 def test_build_falls_back_when_the_vector_math_library_is_missing(monkeypatch, tmp_path):
-    """Where the first build cannot link (no libmvec), the plain one still gives an op."""
+    """Where the first build cannot link (no libmvec), the plain one still gives an op. The
+    builds' order and fallback are what is tested, on one small source (the op's own sources
+    take ~40 s a build here; with the plain build's flags they are checked by the compiler's
+    front end, which is what those flags could break)."""
     from dspark.kernels import cpu_op
 
+    source = tmp_path / "probe.c"
+    source.write_text("int dspark_probe(void) { return 1; }\n")
+    monkeypatch.setattr(cpu_op, "SOURCES", (source,))
     fast, plain = cpu_op.BUILDS
     monkeypatch.setattr(cpu_op, "BUILDS", ((fast[0], fast[1], ("-lno-such-library",)), plain))
     built = op_library(str(tmp_path), read_env().cc)
@@ -260,6 +268,12 @@ def test_build_falls_back_when_the_vector_math_library_is_missing(monkeypatch, t
     monkeypatch.setattr(cpu_op, "BUILDS", ((fast[0], fast[1], ("-lno-such-library",)),))
     failed = op_library(str(tmp_path / "none"), read_env().cc)
     assert failed.path is None and "no-such-library" in failed.reason
+    monkeypatch.undo()
+    for real in cpu_op.SOURCES:
+        flags = [f for f in cpu_op._flags(plain[0], real) if f != "-c"]
+        done = subprocess.run([read_env().cc, *flags, "-fsyntax-only", str(real)],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, (real.name, done.stderr[-500:])
 
 
 def test_fallbacks_to_segments(compiled, monkeypatch):
