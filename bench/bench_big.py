@@ -15,7 +15,7 @@ this machine (bench/rss_watch.py samples each process tree's RSS):
 The CPU heads the report. About 15 minutes on 2 cores; 12 GB of disk under build/big.
 
     python bench/bench_big.py [--out build/big] [--json build/reports/big.json]
-        [--skip-bench]
+        [--skip-bench] [--load-repeats N] [--loads-only]
 """
 
 from __future__ import annotations
@@ -74,17 +74,20 @@ def compile_bundle(out: Path, main: Path, draft: Path, name: str) -> dict:
     return got
 
 
-def loads(bundle: Path, cache: Path) -> dict:
-    """A first load (nothing remembered) and a second, `dsrun generate --max-tokens 1`."""
+def loads(bundle: Path, cache: Path, repeats: int = 1) -> dict:
+    """A first load (nothing remembered) and `repeats` later ones (the median's phases
+    reported, every one's seconds kept), `dsrun generate --max-tokens 1`."""
     shutil.rmtree(cache, ignore_errors=True)
     env = {**os.environ, "DSPARK_CACHE": str(cache)}
     cmd = ["dsrun", "generate", "--model", str(bundle), "--prompt", "The", "--max-tokens", "1"]
     first = run(cmd, "first load", env)
-    second = run(cmd, "second load", env)
+    seconds = sorted((run(cmd, "second load", env) for _ in range(repeats)),
+                     key=lambda r: r["seconds"])
     running = run([*cmd[:-1], "32"], "32 tokens", env)
     size = dir_bytes(bundle) / GIB
-    return {"first": first, "second": second, "running_peak_gib": running["peak_gib"],
-            "bundle_gib": round(size, 2),
+    return {"first": first, "second": seconds[len(seconds) // 2],
+            "second_all": [r["seconds"] for r in seconds],
+            "running_peak_gib": running["peak_gib"], "bundle_gib": round(size, 2),
             "running_over_bundle": round(running["peak_gib"] / size, 2)}
 
 
@@ -107,7 +110,7 @@ def table(results: dict) -> list[str]:
 def report_lines(results: dict) -> list[str]:
     out = []
     print = out.append  # noqa: A001 - one line each
-    print(f"pair: {results['pair']}")
+    print(f"pair: {results.get('pair', '')}")
     for name, c in results["compile"].items():
         print(f"dsc compile {name}: {c['seconds']:.0f} s, peak RSS {c['peak_gib']:.2f} GiB = "
               f"{c['over_weights']:.2f}x the main's weights ({c['main_weights_gib']:.2f} GiB); "
@@ -116,12 +119,18 @@ def report_lines(results: dict) -> list[str]:
         print(f"dsc verify {name}: {v['seconds']:.0f} s, peak RSS {v['peak_gib']:.2f} GiB = "
               f"{v['over_weights']:.2f}x the main's weights, {v['progress_lines']} progress "
               f"lines; {v['last']}")
+    if results.get("load_revision", results.get("revision")) != results.get("revision"):
+        print(f"loads measured at: {results['load_revision']} (the rest at "
+              f"{results.get('revision')})")
     for name, ld in results["load"].items():
         for which in ("first", "second"):
             x = ld[which]
             phases = ", ".join(f"{k} {v:.1f}s" for k, v in x["phases"].items())
+            runs = ld.get("second_all", []) if which == "second" else []
+            spread = (f"the median of {len(runs)}, {runs[0]:.1f}-{runs[-1]:.1f} s; "
+                      if len(runs) > 1 else "")
             print(f"dsrun generate {name}, {which} load: {x['seconds']:.1f} s end to end "
-                  f"({phases})")
+                  f"({spread}{phases})")
         print(f"running RSS {name}: {ld['running_peak_gib']:.2f} GiB = "
               f"{ld['running_over_bundle']:.2f}x the bundle ({ld['bundle_gib']:.2f} GiB)")
     for name, b in results.get("bench", {}).items():
@@ -137,7 +146,13 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("build/big"))
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--skip-bench", action="store_true", help="costs only, no dsrun bench")
+    p.add_argument("--load-repeats", type=int, default=1, help="later loads measured each")
+    p.add_argument("--loads-only", action="store_true",
+                   help="the loads alone, of the bundles already in --out; with --json, they "
+                        "replace the loads of the report there (its revision noted apart)")
     args = p.parse_args()
+    if args.loads_only:
+        return loads_only(args)
     big_pair.build(args.out, 22)
     main_fp32, main_q4, draft = (args.out / f for f in ("main.onnx", "main-q4.onnx",
                                                          "draft.onnx"))
@@ -150,14 +165,31 @@ def main() -> None:
                   "--draft", str(draft)], "dsc verify a")
     verify["over_weights"] = round(verify["peak_gib"] / (weights_bytes(main_fp32) / GIB), 2)
     results["verify"] = {"a": verify}
-    results["load"] = {name: loads(args.out / f"{name}.dsmodel", args.out / f"cache-{name}")
-                       for name in ("a", "b")}
+    results["load"] = {name: loads(args.out / f"{name}.dsmodel", args.out / f"cache-{name}",
+                                   args.load_repeats) for name in ("a", "b")}
     if not args.skip_bench:
         results["bench"] = {name: bench(args.out / f"{name}.dsmodel") for name in ("b", "a")}
     print(results["cpu"])
     print("\n".join(report_lines(results)))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+def loads_only(args) -> None:
+    """Measure the loads again; print them, and put them in the report at --json if any."""
+    results = json.loads(args.json.read_text()) if args.json and args.json.exists() else {}
+    if results.get("cpu", cpu_line()) != cpu_line():
+        sys.exit(f"{args.json} was measured on another CPU ({results['cpu']}): run it whole")
+    results.setdefault("cpu", cpu_line())
+    results.setdefault("compile", {})
+    results["load"] = {name: loads(args.out / f"{name}.dsmodel", args.out / f"cache-{name}",
+                                   args.load_repeats) for name in ("a", "b")}
+    results["load_revision"] = revision()
+    print(results["cpu"])
+    print("\n".join(line for line in report_lines(results) if line.startswith(("dsrun generate",
+                                                                              "running RSS"))))
+    if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 
 

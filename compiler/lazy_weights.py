@@ -5,8 +5,7 @@ folder; the graph the passes rewrite holds references to them. A pass that reads
 values reads it from the file then and lets it go; a session a pass builds on a piece of
 the graph gets that piece's weights read in (inline_weights); the bundle writer copies each
 weight file to file, once (weights.WeightStore). So the compiler holds the graph and one
-weight at a time, never the model twice: a 1.2B fp32 main peaked at 3.3x its weights when
-the graph held them all and the writer exported a second copy.
+weight at a time, never the model twice (docs/benchmarks.md, "At 1B parameters").
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """Memory a finished compile stage freed, handed back to the system.
 
 Python frees a stage's arrays and protos, but glibc's allocator keeps most of the freed
-memory for reuse, so the process's RSS stays at the stage's peak: an int4 1.2B main's
-compile climbed stage by stage to 4.7x its weights. malloc_trim(0) after each stage
-(compiler/progress.py) hands it back (to 3.3x there), in about a millisecond. No garbage
-collection: arrays and protos go when their last reference does, and a full collection cost
-0.12 s a stage, a fifth of a small model's compile. Nothing happens where libc has no
-malloc_trim (not glibc).
+memory for reuse, so the process's RSS stays at the stage's peak and a compile climbs
+stage by stage. malloc_trim(0) after each stage (compiler/progress.py) hands it back, in
+about a millisecond. No garbage collection: arrays and protos go when their last reference
+does, and a full collection costs a small model's compile a large share of its time.
+Nothing happens where libc has no malloc_trim (not glibc).
 """
 
 from __future__ import annotations

@@ -24,6 +24,10 @@
 /* Every loop over the R rows unrolled whole, so each row's accumulator stays a register: left
    to GCC's size limits, loops of 8 or 12 rows stayed loops and kept the accumulators on the
    stack. */
+#ifndef PATH_LINK
+#define PATH_LINK static /* the path's entry point; extern where the paths are compiled apart */
+#endif
+
 #ifndef TURN
 #define TURN 4 /* blocks a half runs before the other's turn (paths of two halves or more) */
 #endif
@@ -329,7 +333,7 @@ static inline __attribute__((always_inline)) TARGET void NAME(groups_of)(
     }
 }
 
-static TARGET void NAME(groups)(const Int4Call *c, int64_t g0, int64_t g1) {
+PATH_LINK TARGET void NAME(groups)(const Int4Call *c, int64_t g0, int64_t g1) {
   const uint8_t *start = c->w + g0 * (c->k / BLOCK * record_bytes(c->bits, c->mins));
   for (int64_t o = 0; o < PREFETCH; o += 64) PREFETCH_T0(start + o);
   if (c->bits == 4 && !c->mins) NAME(groups_of)(c, g0, g1, 4, 0);

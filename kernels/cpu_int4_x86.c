@@ -8,11 +8,26 @@
      avx512_vnni   16              vpdpbusd
      avx512        16              vpmaddubsw + vpmaddwd (AVX-512 BW)
      avx_vnni       8              vpdpbusd (VEX, 256 bits)
-     avx2           8              vpmaddubsw + vpmaddwd, F16C for the scales, FMA */
+     avx2           8              vpmaddubsw + vpmaddwd, F16C for the scales, FMA
+
+   Compiled whole, every path is in one object. The op library compiles it once per path
+   instead, side by side (kernels/cpu_op.py): DSPARK_X86_PATH=n (X86_PATHS' order below) keeps
+   that path alone, with its entry point extern, and path 0's object also holds the dispatch
+   below. One object of the four takes a compiler a third of the whole file's time. */
 
 #include <string.h>
 
 #include "cpu_int4.h"
+
+/* the paths, one bit each: 1 avx512_vnni, 2 avx512, 4 avx_vnni, 8 avx2 */
+#ifdef DSPARK_X86_PATH
+#define X86_PATHS (1 << DSPARK_X86_PATH)
+#define X86_DISPATCH (DSPARK_X86_PATH == 0)
+#define PATH_LINK
+#else
+#define X86_PATHS 15
+#define X86_DISPATCH 1
+#endif
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -50,7 +65,9 @@
 #define VNNI 1
 #define INSIDE 0 /* 32 registers hold a block unpacked whole beside the rows */
 #define DECODE_LOOP 1
+#if X86_PATHS & 1
 #include "cpu_int4_body.h"
+#endif
 #undef NAME
 #undef TARGET
 #undef VNNI
@@ -62,7 +79,9 @@
 #define VNNI 0
 #define INSIDE 6 /* gained at 2-5 rows, lost from 9 up */
 #define DECODE_LOOP 1
+#if X86_PATHS & 2
 #include "cpu_int4_body.h"
+#endif
 #undef NAME
 #undef TARGET
 #undef VNNI
@@ -138,7 +157,9 @@
 #define TARGET __attribute__((target(AVX_VNNI_TARGET)))
 #define VNNI 1
 #define DECODE_LOOP 1 /* the head's one row 8-17% slower inside the switch (the stand-in) */
+#if X86_PATHS & 4
 #include "cpu_int4_body.h"
+#endif
 #undef NAME
 #undef TARGET
 #undef VNNI
@@ -148,11 +169,21 @@
 #define TARGET __attribute__((target("avx2,f16c,fma")))
 #define VNNI 0
 #define DECODE_LOOP 0 /* with its own loop one row measured the slower (at 4 rows a pass) */
+#if X86_PATHS & 8
 #include "cpu_int4_body.h"
+#endif
 #undef NAME
 #undef TARGET
 #undef VNNI
 #undef DECODE_LOOP
+
+#if X86_DISPATCH
+#ifdef DSPARK_X86_PATH /* the paths compiled in the other objects */
+void avx512_vnni_groups(const Int4Call *c, int64_t g0, int64_t g1);
+void avx512_groups(const Int4Call *c, int64_t g0, int64_t g1);
+void avx_vnni_groups(const Int4Call *c, int64_t g0, int64_t g1);
+void avx2_groups(const Int4Call *c, int64_t g0, int64_t g1);
+#endif
 
 int int4_x86_supported(int isa) {
   __builtin_cpu_init();
@@ -178,8 +209,9 @@ int int4_groups_x86(int isa, const Int4Call *c, int64_t g0, int64_t g1) {
     default: return 0;
   }
 }
+#endif /* X86_DISPATCH */
 
-#else /* not x86-64 with GCC or clang: the plain loops only */
+#elif X86_DISPATCH /* not x86-64 with GCC or clang: the plain loops only */
 
 int int4_x86_supported(int isa) { (void)isa; return 0; }
 

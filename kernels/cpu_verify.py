@@ -11,9 +11,9 @@ both), plus the append of the new keys and values, for float32 arenas:
     where p = start+j and lo(p) = 0, or p-window+1 in a sliding-window layer.
 Each key and value row is read once per KV head for the whole head group and window,
 straight from its arena block: nothing is gathered. Why compiled: a decode step's attention
-is ~60 KFLOP per layer, and the dozen numpy calls that did it cost 60-90 us per layer in
-place (after a segment run has pushed the interpreter's working set out of cache), 2-3 ms
-of a 24 ms SmolLM2 step; one numba call does it in 15-30 us. Single-threaded on purpose:
+is ~60 KFLOP per layer, and the dozen numpy calls that did it cost several times that in
+place (after a segment run has pushed the interpreter's working set out of cache), a tenth
+of a small model's step; one numba call does it in a fraction. Single-threaded on purpose:
 onnxruntime's pool owns the cores, and long windows (prefill) go to its threads instead
 (runtime/model/ort_attention.py).
 """

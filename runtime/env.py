@@ -110,11 +110,11 @@ def hugepage_env() -> dict[str, str] | None:
     set already, on opting out (DSPARK_HUGEPAGES=0) or off Linux.
 
     glibc reads GLIBC_TUNABLES only at start-up, hence a re-run. hugetlb=1: onnxruntime's
-    weight buffers get transparent huge pages and stream with far fewer TLB misses (a
-    SmolLM2 decode step measured 8-14% faster, and two models in one process stopped
-    differing by 24% with load order). arena_max=2: the server's threads (event loop, engine,
-    tokenizer workers) share two malloc arenas instead of one each; a 10-minute soak's RSS
-    drift went from 3.9% (+7.6 MiB/min, still rising) to 1.1% (+2.4 MiB/min, levelling)."""
+    weight buffers get transparent huge pages and stream with far fewer TLB misses (decode
+    steps run faster, and two models in one process stop differing with load order).
+    arena_max=2: the server's threads (event loop, engine, tokenizer workers) share two
+    malloc arenas instead of one each, and a long soak's RSS levels off instead of rising.
+    The figures: docs/experiments.md, "Figures behind the source's choices"."""
     if sys.platform != "linux" or os.environ.get("DSPARK_HUGEPAGES", "1") == "0":
         return None
     tunables = os.environ.get("GLIBC_TUNABLES", "")
@@ -127,7 +127,7 @@ def hugepage_env() -> dict[str, str] | None:
 # Ray Serve's control plane wakes every 100 ms by default (the controller's loop, every
 # actor's metrics export). On a small machine each wake-up steals a core from an engine's
 # intra-op threads, which wait for each other: with a 2-core replica on 2 cores, these
-# slower rates took a 128-token plain completion from 3.75 to 3.55 s. dsrun cluster starts
+# slower rates sped a plain completion up by about 5%. dsrun cluster starts
 # its local Ray with them (values the user set are kept; a joined cluster keeps its own).
 RAY_SERVE_QUIET = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
                    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}

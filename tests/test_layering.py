@@ -95,3 +95,16 @@ def test_no_test_imports_a_script():
         text = path.read_text()
         assert not any(f'ROOT / "{folder}"))' in text for folder in SCRIPT_FOLDERS), (
             f"{path.name} puts a script folder on sys.path")
+
+
+def test_dsruns_command_line_imports_no_torch_before_it_reruns_itself():
+    """dsrun re-runs itself with glibc's tunables (runtime/cli/util.py) once its module is
+    imported: torch imported there would be imported twice (~2.4 s a command)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, dspark.runtime.cli.main; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'onnxruntime')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "[]", done.stdout

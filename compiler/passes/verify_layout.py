@@ -5,7 +5,7 @@ Exporters hand attention [1, heads, T, dim] and take its result back the same wa
     proj [1, T, heads*dim] --Reshape--> [1, T, heads, dim] --Transpose(0,2,1,3)--> q
     out [1, heads, T, dim] --Transpose(0,2,1,3)--> [1, T, heads, dim] --Reshape-->
         [1, T, heads*dim] --> o_proj
-Each op copies a few KB, but each costs onnxruntime ~7 us of dispatch on a CPU decode step,
+Each op copies a few KB, but each costs onnxruntime a dispatch on every CPU decode step,
 and a layer has nine of them. The runtime's attention works in token rows anyway ([T, heads,
 dim]: the kernels' layout, and a free view for numpy or torch), so the node reads the first
 tensor of each chain (memory order token, head, dim; any shape) and writes [1, T, heads*dim]

@@ -138,9 +138,9 @@ class VerifyBalanceConfig:
 
     low_utilisation: float = 0.60
     high_utilisation: float = 0.85
-    # The seed's 2 per round measured 1.05x against 1.16x for the whole window at one
-    # request on the 2-core CPU (bench/bench_vlb.py): holding drafts wastes the draft work
-    # when verify tokens are nearly free. Under heavy batching the gate suspends drafting.
+    # The seed's 2 per round measured below the whole window at one request on a 2-core
+    # CPU (bench/bench_vlb.py): holding drafts wastes the draft work when verify tokens are
+    # nearly free. Under heavy batching the gate suspends drafting.
     steady_tokens_low: int = 8
     steady_tokens_mid: int = 2
     batch_cap: bool = True  # cap the batch's window by measured cost (0: plain decoding)
@@ -204,14 +204,12 @@ class ResourceConfig:
 
     table: tuple[ResourceRow, ...] = (
         ResourceRow("A10G", 4), ResourceRow("A100", 6), ResourceRow("H100", 8),
-        # cpu: on the 2-core development machine fixed windows 2-3 measured best and 5+ below
-        # plain decoding (dsrun bench --policies fixed:1-8,dflash). With the int4 draft
-        # reading the main's KV cache (drafting.share_main_kv) the hybrid measured 1.19 /
-        # 1.40 / 1.55x of plain on chat / code / edit against lookup's 1.02 / 1.09 / 1.43x
-        # and the draft model's 1.23 / 1.41 / 1.18x (dsrun bench --policies, README). With
-        # the draft that holds the main's weights exactly (dsc quantize: 94-97% of its
-        # tokens accepted) a cap of 8 (twice the row's 4) with the hybrid offered all of it
-        # measured chat +3-6%, code +13-18%, edit +3-4% over a cap of 6 offered 4
+        # cpu: on a 2-core machine short fixed windows measured best and long ones below
+        # plain decoding; the hybrid beat lookup and the draft model alone across chat, code
+        # and edit prompts; with a draft that holds the main's weights exactly, a cap of 8
+        # (twice the row's 4) offered whole beat a cap of 6 offered 4 (dsrun bench
+        # --policies; the figures: docs/experiments.md, "Figures behind the source's
+        # choices")
         ResourceRow("H200", 8), ResourceRow("cpu", 4, method="hybrid"),
     )
     degrade_usage: float = 0.85

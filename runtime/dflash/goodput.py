@@ -11,7 +11,7 @@ rate:
 
 with a_{j+1} estimated as a_j * c_j before it is drafted. (Comparing the new token's gain
 with plain decoding's rate instead, as a first version did, drafts too long wherever
-speculation already pays: measured 2.45 drafts a round on code where 2 was best.) Across
+speculation already pays.) Across
 the batch `select_slots` keeps the (request, position) slots, in order of a_j, that maximise
 expected tokens per second of the verify: (n + sum a) / t_main(T). Window 0 (plain
 decoding) is chosen when even the first draft does not raise the rate; every few plain

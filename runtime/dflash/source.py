@@ -79,10 +79,10 @@ class SourceChooser:
     def survivals(self, seq_id: int, sources: list[str], confidence: list[float]) -> list[float]:
         """Calibrated survival to each pending draft. A calibration above 1 lifts only the
         first of a run of lookup drafts: it is learned mostly from first drafts (the cut
-        proposals' shadows, the short verifies), and times the later drafts' ~85% it made
-        every step after the first certain. On chat prompts a proposal whose first draft was
-        a 40% guess, calibrated to 1.3, was priced 0.51 to each of its 7 drafts and verified
-        whole; it kept none (AVX2 path, q4 bundle). A calibration below 1 lowers them all."""
+        proposals' shadows, the short verifies), and times the later drafts' step rates it
+        made every step after the first certain: an unlikely first guess was priced as
+        likely for each of its drafts, verified whole, and kept none. A calibration below 1
+        lowers them all."""
         cal, a, out = self.state(seq_id).calibration, 1.0, []
         for i, (source, c) in enumerate(zip(sources, confidence)):
             factor = cal.get(source, 1.0)
@@ -153,10 +153,9 @@ class SourceChooser:
 
         Survival measured per position directly (accepted / verified there, prior the
         position before times alpha, worth PRIOR_WEIGHT rounds) let one rejection at a
-        rarely tried position end the trials there: a draft holding 90% of its first and
-        second tokens over 40 rounds, its third tried once and rejected, priced that third
-        at 0.51 and never tried it again (code prompts, given room for more: windows of 2
-        where fixed windows of 3 made 4-10% more).
+        rarely tried position end the trials there: a draft that held its first two tokens
+        nearly always, its third tried once and rejected, priced that third low and never
+        tried it again, where longer fixed windows made more.
         Counted among the rounds that reached it, the same third draft is 0 of 1 tried,
         which the pooled acceptance outweighs until it is tried again."""
         src = stats.sources.get("draft") if stats is not None else None
@@ -180,7 +179,7 @@ class SourceChooser:
         prompt is read only when enough output is left to earn it back). Otherwise (output
         it sat out while lookup rounds ran) all to this round: such a lag comes back with
         every switch from lookup to model, and spreading it made the hybrid switch too
-        often (edit prompts: 1.24x of plain against lookup alone's 1.42x)."""
+        often (on edit prompts it fell well behind lookup alone)."""
         if behind <= STEADY_BEHIND:
             return 0.0
         full, steady = self.costs.seconds("draft", behind), self.costs.seconds(
@@ -195,8 +194,8 @@ class SourceChooser:
     def worth(self, survivals: list[float], sure: int = 0) -> int:
         """How many of the pending drafts (their survivals) to verify: the prefix with the
         most expected tokens per second, which must beat plain decoding by MARGIN (a
-        verify of k+1 tokens costs more than a decode: a lookup right 3% of the time lost
-        5% on chat prompts); the first `sure` (forced by a grammar) always stay. All of
+        verify of k+1 tokens costs more than a decode: a lookup that is seldom right loses
+        to plain decoding); the first `sure` (forced by a grammar) always stay. All of
         them while a cost is unmeasured."""
         plain = self.rate([])
         if plain is None or len(survivals) <= sure:

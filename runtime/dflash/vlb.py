@@ -37,7 +37,7 @@ from dspark.runtime.model.costs import CostModel
 PRIOR_ACCEPT = 0.7
 SMOOTHING = 0.05
 # A window must promise this much over plain decoding: the cost model leaves out the
-# engine's own per-round work (acceptance, bookkeeping), which measured ~10% at 4 requests.
+# engine's own per-round work (acceptance, bookkeeping), about a tenth at a few requests.
 MARGIN = 1.10
 
 
@@ -74,9 +74,9 @@ class VerifyBalancer:
         """The verify's marginal cost per token over its average at the current size. The
         marginal cost is the least-squares slope of the measured sizes from the power of two
         at or below that size up to twice it (at least 8): between neighbouring sizes (the
-        cost table keeps each small size apart) one noisy entry, e.g. 3 tokens 21 ms and 4
-        tokens 30, read as compute-bound, admitted only the first draft, and a table that
-        then only measured 2-token verifies never corrected it."""
+        cost table keeps each small size apart) one noisy entry read as compute-bound,
+        admitted only the first draft, and a table that then only measured 2-token verifies
+        never corrected it."""
         tokens = self.verify_tokens
         measured = self.costs.table.get("main") or {}
         lo = 1 << (tokens.bit_length() - 1)

@@ -3,10 +3,10 @@ tokens in its own prompt + output, and (optionally) in its tenant's recent reque
 forward pass: its proposals go straight to verification.
 
 How far to trust a proposal is learned from verification: the first token's acceptance
-by match length n (replaying SmolLM2's greedy outputs: 15% after a 1-token match, 39%
-after 2, ~70% after 3 or more), and the chance each next token holds once the previous
-did (~85%). A step's confidence is that rate times the step's agreement among the
-matched occurrences. It drafts until the proposal's estimated survival (the product of
+by match length n (longer matches hold far more often; the priors below), and the chance
+each next token holds once the previous did. A step's confidence is that rate times the
+step's agreement among the matched occurrences. It drafts until the proposal's estimated
+survival (the product of
 step confidences) drops below `min_survival`; how many of those drafts are verified is
 decided with the others' (the round's slot selection weighs each by its survival against
 the verify's cost).

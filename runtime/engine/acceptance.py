@@ -61,8 +61,8 @@ def accept_sampled(drafts: list[int], q, p, rng: np.random.Generator) -> Accepta
     """q[i]: draft i's proposal distribution [vocab], None where it was proposed
     deterministically (a lookup: q one-hot); p[i]: the main probabilities at position i
     (processed), for i in 0..w. Rows are read only up to the first rejection, so p may
-    compute them on demand (LazyRows): a 5-row float64 softmax over 49k tokens cost 2.8 ms,
-    a tenth of a decode step, mostly for rows after a rejection."""
+    compute them on demand (LazyRows): a float64 softmax of every row costs a good share of
+    a decode step, mostly for rows after a rejection."""
     for i, d in enumerate(drafts):
         qi, pi = q[i], p[i]
         if rng.random() * (1.0 if qi is None else qi[d]) < pi[d]:  # u < p/q, no 0-division

@@ -141,8 +141,8 @@ class WindowPlanner:
         """Each speculating slot's method and windows. A lookup slot whose lookups rest this
         round (`Drafting.rests`) stays a plain slot: no drafting work at all, the same step
         as plain decoding's (a chat's lookups rest in most rounds, and the drafting path's
-        bookkeeping cost them ~45 us a token, 1% of an int4 step). No slot speculates in a
-        step that feeds a prompt (its chunk would wait for the drafts and their verify;
+        bookkeeping would cost each of them). No slot speculates in a step that feeds a
+        prompt (its chunk would wait for the drafts and their verify;
         `verify_balance.plain_prompt_steps`), nor where VLB finds plain steps faster at this
         batch size (`speculated`)."""
         self.feeds_prompt = any(s.seq.prefilling and s.chunk for s in plan)
@@ -206,7 +206,7 @@ class WindowPlanner:
     def observe(self, seq: Sequence) -> None:
         """After a round: the window policy learns from the drafts it verified. A round
         that verified none (plain decoding, a lookup that rested) has nothing to teach, and
-        building its view cost ~10 us a token."""
+        building its view costs time every token."""
         if seq.stats.last_window:
             self.policy(seq.tenant).observe(self.view(seq))
 

@@ -40,8 +40,8 @@ class Slot:
         return self.seq.main_cached + self.chunk == len(self.seq.tokens)
 
     def but(self, **changes) -> Slot:
-        """A copy with `changes` (dataclasses.replace without its per-field generality:
-        a few calls per sequence and step, ~4 us each, were 1% of an int4 decode step)."""
+        """A copy with `changes` (dataclasses.replace without its per-field generality,
+        which cost a few calls per sequence and step a measurable share of a decode)."""
         if not changes.keys() <= FIELDS:
             raise TypeError(f"Slot has no field {sorted(changes.keys() - FIELDS)}")
         new = object.__new__(Slot)

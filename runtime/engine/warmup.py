@@ -20,12 +20,12 @@ DRAFT_SIZES = (1, 2, 3, 4, 8, 16)
 def warm_up(engine, main_sizes=MAIN_SIZES, draft_sizes=DRAFT_SIZES,
             cached: bool = False) -> dict:
     """Profile `engine`'s models (the table keeps every verify size apart, costs.py).
-    `cached`: read the table this machine measured for the bundle before, if any (one
-    forward a model still runs: their sessions' first runs allocate), else measure it and
-    keep it for the next load."""
+    `cached`: read the table this machine measured for the bundle before, if any (each
+    session still runs its first, allocating forwards, unmeasured), else measure it and keep
+    it for the next load."""
     path = cost_cache.cache_path(engine.bundle, engine.arena.device.type) if cached else None
     if path is not None and path.exists():
-        profile = _profile(engine, (1,), (1,))
+        profile = _profile(engine, (1,), (1,), measure=False)
         if cost_cache.load(path, engine.costs):
             return {**profile, "cached": str(path)}
     profile = _profile(engine, main_sizes, draft_sizes)
@@ -34,7 +34,7 @@ def warm_up(engine, main_sizes=MAIN_SIZES, draft_sizes=DRAFT_SIZES,
     return profile
 
 
-def _profile(engine, main_sizes, draft_sizes) -> dict:
+def _profile(engine, main_sizes, draft_sizes, measure: bool = True) -> dict:
     """Seconds, main ms per size, and the cores other processes kept busy meanwhile (with a
     warning when the thread count ignores them)."""
     limit = engine.plan.max_seq_len
@@ -46,7 +46,7 @@ def _profile(engine, main_sizes, draft_sizes) -> dict:
         {"main": [engine.main], "draft": list(engine.draft_models.values())},
         {"main": [t for t in main_sizes if t < limit],
          "draft": [t for t in draft_sizes if t < limit]},
-        solo=gate.pinned if gate is not None else None)
+        solo=gate.pinned if gate is not None else None, measure=measure)
     other = load.sample()
     env = read_env()  # adaptive threads follow the load themselves: no hint
     hint = (thread_hint(other, env.threads, os.cpu_count() or 1)

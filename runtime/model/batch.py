@@ -30,8 +30,7 @@ class FlatBatch:
     def build(cls, chunks: list[SeqChunk]) -> FlatBatch:
         """From Python lists, one numpy array per field: a decode step builds one of these
         per forward, and after the forward's weights have left the caches each numpy call
-        costs ~10 us (the concatenate / cumsum form took ~50 us a forward, 1% of an int4
-        SmolLM2 step)."""
+        is slow, so the fewer the better."""
         if not chunks or any(len(c.tokens) == 0 for c in chunks):
             raise ValueError("a batch needs at least one token per sequence")
         tokens, positions, cu = [], [], [0]

@@ -31,9 +31,8 @@ SMOOTHING = 0.2
 DRAFT_STEP = "draft_step"
 AFTER_DRAFT = "main_after_draft"
 # Token counts kept as their own rows. A forward's cost is far from proportional to its
-# tokens (SmolLM2 on 2 cores: 1 token 19.5 ms, 3 tokens 21.5): scaled into a power-of-two
-# bucket a 3-token verify was recorded as 2/3 of itself, so a 3-token verify looked cheaper
-# than a 1-token decode (15 ms) and the window choice leaned on that.
+# tokens: scaled into a power-of-two bucket a 3-token verify was recorded as 2/3 of itself
+# and looked cheaper than a 1-token decode, and the window choice leaned on that.
 EXACT = 16
 
 

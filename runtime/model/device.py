@@ -2,17 +2,21 @@
 
 auto picks CUDA when torch sees a GPU and onnxruntime has its CUDA execution provider
 (the `gpu` extra, onnxruntime-gpu), else the CPU. Asking for cuda where either is missing is
-a usage error that says which part is missing.
+a usage error that says which part is missing. torch is imported where a device is made, not
+with this module: dsrun's command line names DEVICES before it re-runs itself with glibc's
+tunables (cli/util.py), and importing torch twice cost every command ~2.4 s.
 """
 
 from __future__ import annotations
 
 import platform
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from dspark.runtime.errors import DSparkError
+
+if TYPE_CHECKING:
+    import torch
 
 DEVICES = ("auto", "cpu", "cuda")
 # the instruction sets a CPU benchmark depends on (MatMulInt4's paths, the compiled ops)
@@ -48,6 +52,8 @@ def cpu_line() -> str:
 
 def cuda_problem() -> str | None:
     """Why CUDA cannot be used here, or None when it can."""
+    import torch
+
     if not torch.cuda.is_available():
         build = torch.version.cuda or "none (a CPU build)"
         return f"torch {torch.__version__} sees no CUDA device (its CUDA: {build})"
@@ -60,6 +66,8 @@ def cuda_problem() -> str | None:
 
 
 def resolve_device(name: str) -> torch.device:
+    import torch
+
     if name not in DEVICES:
         raise DSparkError(f"--device must be one of {', '.join(DEVICES)}, got {name!r}")
     if name == "cpu":

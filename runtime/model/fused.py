@@ -7,7 +7,7 @@ arena and the batch's block tables as extra inputs:
 The pools are bound to the arena's own memory once (zero copy; the op appends to them in
 place). So a step is one run() and no Python between layers: the
 segmented executor (executor.py) hands each of ~31 segments to onnxruntime's pool and runs
-the attention in between on one thread, which cost a SmolLM2 decode step 3 ms of 22.
+the attention in between on one thread, which cost a decode step a seventh of its time.
 
 Float32 arenas only (the op's arithmetic); anything else stays on the segments.
 """
@@ -105,7 +105,7 @@ def fused_graph(bundle: Bundle, role: str, pool_shape: tuple[int, int, int],
 def packed_groups(bundle: Bundle, role: str) -> dict[str, np.ndarray]:
     """The role's packed int4 groups read into this process's memory, by initializer name
     (none without a MatMulInt4 graph). Mapped from the bundle's file instead, onnxruntime
-    stepped 1-5% slower (page-cache pages, not the huge pages glibc gives our buffers:
+    stepped slower (page-cache pages, not the huge pages glibc gives our buffers:
     tools/mapped_weights_probe.py); read here, they are held once, shared by every session
     of the model."""
     spec = bundle.model(role)
@@ -204,8 +204,8 @@ class FusedModel:
             if self.solo_ops is not None:
                 self.solo_ops.set(solo)
         self.solo_forwards += solo
-        # the batch's arrays are int64 already: asarray binds them without a copy (each
-        # numpy call here costs ~10 us after the forward before it left the caches cold)
+        # the batch's arrays are int64 already: asarray binds them without a copy (numpy
+        # calls here are slow: the forward before left the caches cold)
         types = self.input_types
         io.bind_cpu_input(INPUT_IDS, np.asarray(batch.token_ids[None],
                                                 types.get(INPUT_IDS, np.int64)))

@@ -165,10 +165,11 @@ def int4_path(paths: tuple[str, ...], enabled: bool, forced: str | None) -> str 
 def few_rows_path(best: str, paths: tuple[str, ...],
                   timings: Callable[[tuple[str, ...]], dict[str, float]]) -> str:
     """The path for an 8-bit projection's calls of one or two rows (MatMulInt4's `isa_few`).
-    On an EPYC with AVX-512 VNNI its BW path streamed the 8-bit head from memory 10-25%
-    faster there, though it multiplies twice as often (docs/performance.md); the cause is
-    not known, so where the CPU has both, `timings` (seconds per path, on the projection's
-    own weights) decides: the BW path if it is faster by 5% or more, else `best`."""
+    On a CPU with AVX-512 VNNI its BW path has streamed the 8-bit head faster, though it
+    multiplies twice as often (docs/experiments.md, "Figures behind the source's choices");
+    the cause is not known, so where the CPU has both, `timings` (seconds per path, on the
+    projection's own weights) decides: the BW path if it is faster by 5% or more, else
+    `best`."""
     if best != "avx512_vnni" or "avx512" not in paths:
         return best
     seconds = timings(("avx512_vnni", "avx512"))

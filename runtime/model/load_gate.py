@@ -3,8 +3,8 @@ otherwise.
 
 Onnxruntime's pool is fixed for the process and every session shares it, so a load that comes
 after start cannot shrink it: with another process spinning on one of two cores, the pool's
-second thread gets half a core and every parallel section waits for it (SmolLM2 int4 decode
-7.7-9.0 ms on the pool against 5.9 ms on one thread, docs/performance.md). Each forward asks
+second thread gets half a core and every parallel section waits for it (a step on the pool
+then takes longer than on one thread: docs/performance.md). Each forward asks
 the gate below, which judges by what the other processes were seen to take, read from /proc
 (host_load.py) at most every `EVERY` seconds. By default (DSPARK_THREADS unset or auto) a solo
 forward runs on the pool's session with our ops' work items in turn on the calling thread (the

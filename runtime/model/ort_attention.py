@@ -1,7 +1,7 @@
 """Large attention windows (prefill) through onnxruntime, on the shared thread pool.
 
-A window of n new tokens over L keys costs O(n L) per head: for a 500-token prompt numpy at
-one thread took 1.7x the whole single-session prefill. This small graph runs the same math
+A window of n new tokens over L keys costs O(n L) per head: for a long prompt numpy at one
+thread took longer than the rest of the prefill. This small graph runs the same math
 multi-threaded on onnxruntime's pool, where numpy threads would fight it for the cores:
 
     q [kv, g, n, d] --MatMul(K^T [kv, 1, d, L])--> [kv, g, n, L] --+bias [n, L], Softmax-->

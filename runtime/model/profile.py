@@ -20,37 +20,41 @@ PROBE, PROBES = -1, tuple(range(-9, -1))
 
 
 def warmup(arena: KVArena, costs: CostModel, runners: dict[str, list[ModelRunner]],
-           sizes: dict[str, list[int]], solo=None) -> dict:
+           sizes: dict[str, list[int]], solo=None, measure: bool = True) -> dict:
     """runners/sizes by cost role ("main", "draft"); returns seconds and main ms per size.
+    `measure=False`: the allocating first runs only, the table left as it is (a load that
+    reads its table from the cache).
     `solo`: the load gate's `pinned` (load_gate.py), when forwards may run solo: the main's
     verify sizes (up to EXACT) are probed in that mode too. Copied from the pool's table, a
-    solo verify was priced as the pool's against a decode measured solo (genai's int4 build,
-    AVX2 path, a core busy: 2 drafts realized 3.0x a decode, priced 2.0x), and the sizes
-    seldom verified kept that price."""
+    solo verify was priced as the pool's against a decode measured solo, too cheap, and the
+    sizes seldom verified kept that price."""
     for seq_id in (PROBE, *PROBES):
         arena.add_sequence(seq_id)
     t0 = time.perf_counter()
     try:
-        for measure in (False, True):
-            if measure:
+        passes = (False, True) if measure else (False,)
+        for recording in passes:
+            if recording:
                 costs.reset()
             for role, runner_list in runners.items():
                 for runner in runner_list:
-                    _sizes(arena, runner, sizes[role])
-                    runner.forward([(p, 0, [1]) for p in PROBES], [1] * len(PROBES))
+                    _sizes(arena, runner, sizes[role], record=recording)
+                    runner.forward([(p, 0, [1]) for p in PROBES], [1] * len(PROBES),
+                                   record=recording)
                     for p in PROBES:
                         arena.rollback(p, runner.pool, 0)
         if solo is not None:
             with solo(True):
                 verifies = [n for n in sizes["main"] if n <= EXACT]
-                for measure in (False, True):  # a solo session's first runs allocate
+                for recording in passes:  # a solo session's first runs allocate
                     for runner in runners["main"]:
-                        _sizes(arena, runner, verifies, record=measure)
+                        _sizes(arena, runner, verifies, record=recording)
     finally:
         for seq_id in (PROBE, *PROBES):
             arena.release(seq_id)
+    seconds = {n: costs.seconds("main", n) for n in sizes["main"]}
     return {"seconds": time.perf_counter() - t0,
-            "main_ms": {n: round(1000 * costs.seconds("main", n), 2) for n in sizes["main"]}}
+            "main_ms": {n: round(1000 * t, 2) for n, t in seconds.items() if t is not None}}
 
 
 def _sizes(arena: KVArena, runner: ModelRunner, sizes: list[int], record: bool = True) -> None:

@@ -109,7 +109,7 @@ class ModelRunner:
             self.costs.record(role, end, elapsed, len(chunks))
         if not index:
             return [logits[:0]] * len(chunks)
-        out, at = [], 0  # slices, not np.split: ~60 us a forward cold (see FlatBatch.build)
+        out, at = [], 0  # slices, not np.split: slow on cold caches (see FlatBatch.build)
         for n in rows:
             out.append(logits[at:at + n])
             at += n

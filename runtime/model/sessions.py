@@ -1,13 +1,13 @@
 """onnxruntime session creation with one process-wide thread pool.
 
 Many sessions take turns (31 segments per model, main and draft): with a pool per session
-the idle pools spin and steal the cores, which measured 20x slower than one shared pool on a
-2-core VM. So every session here uses the global pool, created once per process
-before the first session, and torch, which runs the attention between segments, stays at
-one thread, and so does numpy's BLAS (the CPU attention's small matmuls): a multi-threaded
-OpenBLAS spins against onnxruntime's pool and made a 100-token prefill 3x slower. If
-something else created onnxruntime's environment first, sessions fall back to their own pools
-with spinning off (the next best setting measured).
+the idle pools spin and steal the cores, many times slower than one shared pool. So every
+session here uses the global pool, created once per process before the first session, and
+torch, which runs the attention between segments, stays at one thread, and so does numpy's
+BLAS (the CPU attention's small matmuls): a multi-threaded OpenBLAS spins against
+onnxruntime's pool. If something else created onnxruntime's environment first, sessions
+fall back to their own pools with spinning off (the next best setting measured). The
+figures: docs/experiments.md, "Figures behind the source's choices".
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def make_session(path: str | Path | bytes, level: str = "all", optimized_path: P
     elif read_env().adaptive and not solo:
         # a pool per model, spinning within a run as the global one does, but stopped at
         # the end of each, so an idle pool never spins against the one running (main and
-        # draft take turns; left spinning, a 27 ms main pass took 51 ms)
+        # draft take turns; left spinning, a main pass took nearly twice as long)
         so.intra_op_num_threads = read_env().threads
         so.inter_op_num_threads = 1
         so.add_session_config_entry("session.force_spinning_stop", "1")

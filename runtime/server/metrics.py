@@ -10,9 +10,8 @@ where meaningful.
 A step's share stays constant however busy the minute was: the one-minute gauges come from
 running sums per tenant (added as rounds arrive, taken off as they leave the minute) and
 from a sorted list of the minute's verify times, and every labelled child is looked up
-once. Recomputing them from the minute at every step cost 0.29-0.44 ms a step for plain
-decoding and 2.1-3.6 ms for speculative rounds with a minute of 12000 steps behind it (an
-int4 SmolLM2 decodes in ~4 ms); now 11-21 us (bench/bench_metrics_step.py).
+once. Recomputed from the minute at every step, they cost a busy server a large part of
+each step (bench/bench_metrics_step.py measures both).
 """
 
 from __future__ import annotations
@@ -93,8 +92,8 @@ class Metrics:
         self.requests = Counter("dflash_requests", "Requests by endpoint and status",
                                 md + ["endpoint", "status"], registry=r)
         self.host_cores = Gauge("dspar_host_other_cores", "CPU cores other processes kept busy "
-                                "over the last ~5 s (Linux; with a thread per core, one busy "
-                                "core of two slowed decoding 1.4-1.8x: DSPARK_THREADS)", md,
+                                "over the last ~5 s (Linux; with a thread per core, a busy "
+                                "core slows every step: DSPARK_THREADS)", md,
                                 registry=r)
         self.prefix_queries = Counter("dspark_prefix_cache_queries", "Prompt tokens looked "
                                       "up in the prefix cache", md, registry=r)
