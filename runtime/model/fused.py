@@ -27,7 +27,7 @@ from dspark.runtime.cache.kv_arena import KVArena
 from dspark.runtime.env import read_env
 from dspark.runtime.model.batch import FlatBatch
 from dspark.runtime.model.executor import StepClock, id_input_types
-from dspark.runtime.model.int4_rows import GROUPS_SUFFIX, initializer_array, set_int4_paths
+from dspark.runtime.model.int4_rows import GROUPS_SUFFIX, initializer_arrays, set_int4_paths
 from dspark.runtime.model.load_gate import shared_gate
 from dspark.runtime.model.quant_rows import rewrite_quantize
 from dspark.runtime.model.row_ops import rewrite_rows
@@ -113,8 +113,8 @@ def packed_groups(bundle: Bundle, role: str) -> dict[str, np.ndarray]:
         return {}
     path = bundle.path(spec.int4_graph_file)
     graph = onnx.load(str(path), load_external_data=False).graph
-    return {t.name: initializer_array(t, path.parent) for t in graph.initializer
-            if t.name.endswith(GROUPS_SUFFIX)}
+    tensors = [t for t in graph.initializer if t.name.endswith(GROUPS_SUFFIX)]
+    return dict(zip((t.name for t in tensors), initializer_arrays(tensors, path.parent)))
 
 
 def block_tables(arena: KVArena, batch: FlatBatch, news: list[int], groups: tuple[str, ...],

@@ -30,6 +30,7 @@ from onnx import helper, numpy_helper
 
 from dspark.kernels.cpu_op import ISA_PATHS, int4_timings
 from dspark.runtime.errors import DSparkError
+from dspark.runtime.model.file_read import read_parts
 
 OP = "MatMulInt4"
 DOMAIN = "ai.dspark"
@@ -83,21 +84,29 @@ def initializer_array(tensor: onnx.TensorProto, folder: Path) -> np.ndarray:
     """An initializer's values, read from its external file under `folder` when it has one
     (not through onnx's loader: it refuses a hard-linked weights file, as cached bundles
     are)."""
-    if tensor.data_location != onnx.TensorProto.EXTERNAL:
-        return numpy_helper.to_array(tensor)
-    info = {entry.key: entry.value for entry in tensor.external_data}
-    path = (Path(folder) / info["location"]).resolve()
-    if Path(folder).resolve() not in path.parents:
-        raise ValueError(f"{tensor.name}: external data {info['location']!r} is outside "
-                         f"{folder}")
-    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
-    count = int(np.prod(tensor.dims, dtype=np.int64))
-    with open(path, "rb") as f:
-        f.seek(int(info.get("offset", 0)))
-        data = np.fromfile(f, dtype=dtype.newbyteorder("<"), count=count)
-    if data.size != count:
-        raise ValueError(f"{tensor.name}: {path} ends before its {count} values")
-    return data.reshape(tuple(tensor.dims))
+    return initializer_arrays([tensor], folder)[0]
+
+
+def initializer_arrays(tensors: list[onnx.TensorProto], folder: Path) -> list[np.ndarray]:
+    """initializer_array of each, the external ones read together (model/file_read.py)."""
+    external = [t for t in tensors if t.data_location == onnx.TensorProto.EXTERNAL]
+    parts, shapes = [], []
+    for tensor in external:
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        path = (Path(folder) / info["location"]).resolve()
+        if Path(folder).resolve() not in path.parents:
+            raise ValueError(f"{tensor.name}: external data {info['location']!r} is outside "
+                             f"{folder}")
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).newbyteorder("<")
+        count = int(np.prod(tensor.dims, dtype=np.int64))
+        parts.append((path, int(info.get("offset", 0)), count * dtype.itemsize))
+        shapes.append((dtype, tuple(tensor.dims)))
+    try:
+        read = iter([a.view(d).reshape(s) for a, (d, s) in zip(read_parts(parts), shapes)])
+    except EOFError as e:
+        raise ValueError(f"external data: {e}") from None
+    return [next(read) if t.data_location == onnx.TensorProto.EXTERNAL
+            else numpy_helper.to_array(t) for t in tensors]
 
 
 def _eligible(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]) -> bool:

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dspark.kernels.cpu_verify import cpu_verify_attention
 from dspark.runtime.bundle.spec import VerifyOp
 from dspark.runtime.cache import kv_rows
 from dspark.runtime.cache.kv_arena import KVArena
@@ -152,6 +151,11 @@ class PagedAttention:
     per layer; long windows (prefill) and non-float32 arenas to `attend` / onnxruntime."""
 
     def __init__(self, arena: KVArena, role: str):
+        # numba is imported with the kernel, here: a model on the fused op never needs it,
+        # and the import costs a load ~0.5 s
+        from dspark.kernels.cpu_verify import cpu_verify_attention
+
+        self.kernel = cpu_verify_attention
         self.arena = arena
         self.role = role
         pool = arena.pools[role]
@@ -179,8 +183,8 @@ class PagedAttention:
         out = np.empty(q.shape, np.float32 if len(m.compiled) else q.dtype)
         if len(m.compiled):
             q, k, v = (np.ascontiguousarray(x, np.float32) for x in (q, k, v))
-            cpu_verify_attention(q, k, v, ka, va, m.tables, m.starts, m.qoffs, m.news,
-                                 m.compiled, op.scale, out, op.window, op.softcap)
+            self.kernel(q, k, v, ka, va, m.tables, m.starts, m.qoffs, m.news, m.compiled,
+                        op.scale, out, op.window, op.softcap)
         dtype = self.arena.groups[self.group_of[op.layer]].layout.dtype
         for i, s in enumerate(m.windows):
             ka[s.write_blocks, :, s.write_offsets] = kv_rows.store(k[s.rows], dtype)
