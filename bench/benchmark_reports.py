@@ -201,13 +201,14 @@ REPORTS = [
      "ITL is each request's mean time per token after its first. `same as alone`: every "
      "greedy text under load equals the same prompt's at one client (docs/serving.md)."),
     ("big.json", "At 1B parameters: compile, verify, load, speculation",
-     "python bench/bench_big.py --json build/reports/big.json",
+     "python bench/bench_big.py --json build/reports/big.json --load-repeats 5",
      "samples/big_pair.py's random-init 1.2B Llama (TinyLlama-1.1B's shape, SmolLM2's "
      "tokenizer) and a draft of its first two layers: bundle a is the fp32 main with the int4 "
      "draft, b the int4 main with it. Peak RSS is the whole process tree's, sampled every "
      "0.5 s (bench/rss_watch.py); a first load hashes every file and measures the cost "
      "table, a second finds both remembered (docs/bundle.md). Random weights: the costs are "
-     "real, the text is not, and acceptance comes from damping the upper layers."),
+     "real, the text is not, and acceptance comes from damping the upper layers. The loads "
+     "alone are measured again by the same command with --loads-only."),
     ("gemma3_bench.json", "Gemma 3 270M: speculation against plain decoding",
      "dsrun bench --model build/gemma3.dsmodel --prompts samples/prompts/base_prompts.jsonl "
      "--repeats 2 --json > build/reports/gemma3_bench.json",

@@ -91,8 +91,8 @@ def optimum_venv() -> Path:
     if not (bin_dir / "optimum-cli").exists():
         log("creating the optimum venv ...")
         run([sys.executable, "-m", "venv", OPTIMUM_VENV])
-        run([bin_dir / "pip", "install", "--quiet", "torch==2.13.0", "optimum-onnx",
-             "onnxruntime"])
+        run([bin_dir / "pip", "install", "--quiet", "--no-compile", "torch==2.13.0",
+             "optimum-onnx", "onnxruntime"])
     return bin_dir
 
 
@@ -145,7 +145,7 @@ def setup_genai() -> None:
     if not (VENV / "bin" / "python").exists():
         log("creating the onnxruntime-genai venv ...")
         run([sys.executable, "-m", "venv", VENV])
-        pip = [VENV / "bin" / "pip", "install", "--quiet"]
+        pip = [VENV / "bin" / "pip", "install", "--quiet", "--no-compile"]
         run([*pip, "torch==2.13.0"])
         run([*pip, *PEER_PACKAGES])
     if not (HF_DIR / "config.json").exists():
