@@ -45,5 +45,5 @@ def _read_piece(path: Path, offset: int, array: np.ndarray, lo: int) -> None:
             n = f.readinto(view[got:])
             if not n:
                 raise EOFError(f"{path} ends at byte {offset + lo + got}, before the "
-                               f"{offset + hi} its weights need")
+                               f"{offset + len(array)} its weights need")
             got += n
