@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -10,6 +9,8 @@ import httpx
 import uvicorn
 
 from dspark.runtime.server.run import build_app
+
+from ports import free_port
 
 MODEL = "tok"  # the tok bundles' served name
 CHAT = [{"role": "user", "content": "hello world w5 w9"}]
@@ -28,9 +29,7 @@ def api_error(call):
 class LiveServer:
     def __init__(self, bundle, **kwargs):
         self.app, self.state = build_app(bundle, **kwargs)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cli_helpers import run_dsrun
+from ports import free_port
 
 START_TIMEOUT_S = 120
 
@@ -51,11 +51,6 @@ class LiveCluster:
     def replicas(self) -> set[str]:
         return {s.labels["replica"] for s in self.replica_samples("dspar_kv_cache_usage_ratio")}
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
@@ -92,7 +87,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def cluster(json_bundle, tmp_path_factory):
     config = tmp_path_factory.mktemp("cluster") / "dflash_config.json"
     shutil.copy(json_bundle / "dflash_config.json", config)
-    port, ray_port = _free_port(), _free_port()
+    port, ray_port = free_port(), free_port()
     proc = _start("--model", str(json_bundle), "--replicas", "2", "--port", str(port),
                   "--config", str(config), "--no-warmup", "--ray-metrics-port", str(ray_port),
                   env={"RAY_AUTH_MODE": "disabled"})  # the test connects to kill a replica
@@ -242,7 +237,7 @@ def test_a_killed_replica_fails_its_stream_cleanly_and_the_rest_serve_on(cluster
 def test_a_shipped_bundle_serves_the_same_tokens(tok_bundle, tmp_path):
     """--ship-bundle: the bundle travels as the job's working_dir (no shared filesystem);
     the replica verifies its hashes and answers as the path-loaded bundle does."""
-    port = _free_port()
+    port = free_port()
     proc = _start("--model", str(tok_bundle), "--replicas", "1", "--port", str(port),
                   "--ship-bundle", "--no-warmup")
     url = f"http://127.0.0.1:{port}"

@@ -7,22 +7,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ports import free_port
 
 
 def test_sigterm_finishes_requests_in_flight_and_refuses_new_ones(json_bundle):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     dsrun = os.path.join(os.path.dirname(sys.executable), "dsrun")
     proc = subprocess.Popen([dsrun, "serve", "--model", str(json_bundle), "--port", str(port),
