@@ -16,10 +16,10 @@ from dspark.runtime.dflash.source import (
     PRIOR_WEIGHT,
     SourceChooser,
 )
-from dspark.runtime.drafting.base import DraftJob, Proposed
 from dspark.runtime.drafting.hybrid import HybridDrafter
 from dspark.runtime.drafting.lookup import LookupDrafter
-from dspark.runtime.drafting.state import DraftState
+from dspark.runtime.engine.decide import decide, drafts
+from dspark.runtime.engine.round_plan import RoundPlan, Slot
 from dspark.runtime.model.costs import DRAFT_STEP, CostModel
 from dspark.runtime.sequence.request import GenerationRequest, Sequence
 
@@ -63,6 +63,11 @@ def _sources(proposed):
     return [p.source for p in proposed]
 
 
+def _propose(hybrid, seq, method, window, lookup):
+    """The round's drafting for one slot whose method and windows are set."""
+    return drafts([Slot(seq, 0, method=method, window=window, lookup=lookup)], hybrid)
+
+
 def _hybrid(costs, model=None):
     return HybridDrafter(LookupDrafter(LookupConfig()), model,
                          SourceChooser(DraftingConfig(explore_every=1000), costs))
@@ -72,7 +77,7 @@ def test_hybrid_keeps_plain_when_the_draft_model_does_not_pay():
     model = FakeModel(cached=10)
     hybrid = _hybrid(_costs(draft_ms=40.0), model)  # a draft step dearer than a main step
     seq = _seq(list(range(10, 20)))  # nothing repeats: no lookup proposal
-    assert _sources(hybrid.propose([DraftJob(seq, "hybrid", 4, 8)])) == ["plain"]
+    assert _sources(_propose(hybrid, seq, "hybrid", 4, 8)) == ["plain"]
     assert model.asked == []
 
 
@@ -98,11 +103,11 @@ def test_hybrid_drafts_with_a_cheap_model_and_prefers_a_strong_lookup():
     model = FakeModel(cached=10)
     hybrid = _hybrid(_costs(draft_ms=3.0), model)
     seq = _seq(list(range(10, 20)))
-    assert _sources(hybrid.propose([DraftJob(seq, "hybrid", 4, 8)])) == ["draft"]
+    assert _sources(_propose(hybrid, seq, "hybrid", 4, 8)) == ["draft"]
     hybrid.release(seq)
     repeated = _seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4], seq_id=2)  # a 4-gram match
     model.cached_len = len(repeated.tokens)
-    used = _sources(hybrid.propose([DraftJob(repeated, "hybrid", 2, 8)]))
+    used = _sources(_propose(hybrid, repeated, "hybrid", 2, 8))
     assert used == ["lookup"] and hybrid.state(repeated).tokens[:3] == [5, 6, 7]
 
 
@@ -218,8 +223,8 @@ def test_a_confident_lookup_runs_without_the_model(trust, used):
         DraftingConfig(explore_every=1000, lookup_trust=trust), _costs(draft_ms=0.5)))
     seq = _seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2])
     model.cached_len = len(seq.tokens)
-    assert hybrid.survivals(seq) == [] and _sources(hybrid.propose(
-        [DraftJob(seq, "hybrid", 4, 8)])) == [used]
+    assert hybrid.survivals(seq) == []
+    assert _sources(_propose(hybrid, seq, "hybrid", 4, 8)) == [used]
     assert (model.asked == []) == (used == "lookup")
 
 
@@ -271,7 +276,7 @@ def test_a_backed_off_lookup_rests_on_exactly_the_skipped_rounds():
         looks = reference.ready(seq.id)
         assert hybrid.rests(seq) == (not looks)
         if looks:
-            proposed = hybrid.propose([DraftJob(seq, "lookup", 0, 8)])
+            proposed = _propose(hybrid, seq, "lookup", 0, 8)
             assert _sources(proposed) == ["plain"] and proposed[0].lookup == 8
             reference.record(seq.id, kept=False)
         rested += not looks
@@ -280,38 +285,41 @@ def test_a_backed_off_lookup_rests_on_exactly_the_skipped_rounds():
     assert not hybrid.rests(seq)
 
 
-def test_the_planner_leaves_a_resting_lookup_slot_plain():
-    """A lookup slot whose lookups rest this round gets no drafting work: the planner
-    leaves it a plain slot and `propose` never sees it; the other slot of the batch (a
-    request that asks for the lookup explicitly, not resting) is proposed for as usual."""
+def test_the_decision_leaves_a_resting_lookup_slot_plain():
+    """A lookup slot whose lookups rest this round gets no drafting work: the round's
+    decision leaves it a plain slot and the lookups never see it; the other slot of the
+    batch (a request that asks for the lookup explicitly, not resting) is proposed for as
+    usual."""
     from dspark.runtime.bundle.config import DFlashConfig, ResourceConfig, ResourceRow
     from dspark.runtime.dflash.ras import Device, ResourceManager
     from dspark.runtime.dflash.vlb import VerifyBalancer
     from dspark.runtime.engine.planner import WindowPlanner
-    from dspark.runtime.engine.round_plan import RoundPlan, Slot
 
     config, costs = DFlashConfig(), _costs()
     planner = WindowPlanner(config, costs, ResourceManager(
         ResourceConfig(table=(ResourceRow("cpu", 8),)), Device("cpu", "cpu", 24.0, 2), {}),
-        VerifyBalancer(config.verify_balance, costs), has_model=False)
+        has_model=False)
 
-    class Recording:
+    class Recording(HybridDrafter):
         def __init__(self, resting: set[int]):
+            super().__init__(LookupDrafter(LookupConfig()), None,
+                             SourceChooser(DraftingConfig(), costs))
             self.resting, self.jobs = resting, []
 
         def rests(self, seq):
             return seq.id in self.resting
 
-        def propose(self, jobs):
-            self.jobs.extend(j.seq.id for j in jobs)
-            return [Proposed("plain", j.lookup, DraftState()) for j in jobs]
+        def look_up(self, caps):
+            self.jobs.extend(seq.id for seq, _ in caps)
+            return super().look_up(caps)
 
     a, b = _seq(list(range(10, 20)), seq_id=1), _seq(list(range(30, 40)), seq_id=2)
     for seq in (a, b):  # past the prompt: one token generated, not yet cached
         seq.tokens.append(7)
         seq.main_cached = len(seq.tokens) - 1
     drafting = Recording({1})
-    plan = planner.plan(RoundPlan((Slot(a, 1), Slot(b, 1))), drafting)
+    plan = decide(RoundPlan((Slot(a, 1), Slot(b, 1))), planner,
+                  VerifyBalancer(config.verify_balance, costs), drafting)
     assert drafting.jobs == [2]
     [left, proposed] = plan.slots
     assert (left.method, left.lookup, left.verify) == ("plain", 0, 0)
@@ -325,7 +333,7 @@ def test_a_lookup_cut_before_its_verify_still_calibrates(held):
     it as from a verified draft, up when it would have held, down when not."""
     hybrid = _hybrid(_costs(main_ms=(30,) + (300,) * 8))  # a verify of 2+ tokens: 10x a decode
     seq = _seq([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2])  # "1, 2" matched: 3 proposed
-    [proposed] = hybrid.propose([DraftJob(seq, "lookup", 0, 8)])
+    [proposed] = _propose(hybrid, seq, "lookup", 0, 8)
     assert len(proposed.pending) == 0 and hybrid.shadow[seq.id][0] == 3  # cut, remembered
     hybrid.settle(seq, len(seq.tokens), 0, 0, 3 if held else 99, 0.03)
     calibration = hybrid.chooser.state(seq.id).calibration["lookup"]

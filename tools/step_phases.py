@@ -4,8 +4,8 @@ against the default (speculative) mode, in one process.
     python tools/step_phases.py [--bundle build/smollm2-q4.dsmodel] [--class chat]
                                   [--repeats 3] [--max-tokens 128]
 
-Wraps the engine's stages (the planner's windows, the drafting's proposal and the verify
-balance; the verify forward; acceptance and commit with the drafting's settle and the window
+Wraps the engine's stages (the round's decision: its windows, drafts and verify lengths;
+the verify forward; acceptance and commit with the drafting's settle and the window
 policy's observe; between-step maintenance) in timers, runs the class's peer prompts
 (samples/prompts/peer_prompts.jsonl) plain then default, alternating, and prints each
 stage's median microseconds per token in each mode and the difference. Each timer adds
@@ -23,8 +23,8 @@ from pathlib import Path
 
 from dspark.runtime.cli.bench import _one
 from dspark.runtime.drafting import hybrid
+from dspark.runtime.engine import decide, planner
 from dspark.runtime.engine import engine as engine_module
-from dspark.runtime.engine import planner
 from dspark.runtime.engine.loader import load_engine
 from dspark.runtime.model.device import cpu_line
 from dspark.runtime.sequence.prompt import entry_ids, load_prompts
@@ -32,10 +32,10 @@ from dspark.runtime.sequence.prompt import entry_ids, load_prompts
 PROMPTS = Path(__file__).resolve().parents[1] / "samples" / "prompts" / "peer_prompts.jsonl"
 STAGES = [(engine_module.Engine, "step", "step"),
           (engine_module.Engine, "maintain", "maintain"),
-          (planner.WindowPlanner, "plan", "plan"),
-          (planner.WindowPlanner, "_windows", "plan: windows"),
-          (hybrid.HybridDrafter, "propose", "plan: propose"),
-          (planner.WindowPlanner, "_balance", "plan: balance"),
+          (engine_module, "decide", "decide"),
+          (decide, "_windows", "decide: windows"),
+          (decide, "drafts", "decide: drafts"),
+          (decide, "_verify", "decide: verify"),
           (engine_module.Engine, "_verify", "verify forward"),
           (engine_module.Engine, "_advance", "advance"),
           (hybrid.HybridDrafter, "settle", "advance: settle"),

@@ -16,7 +16,7 @@ the time, and a trial that stalls the batch (a speculating step of 16 sequences,
 catching up on all their tokens, can last 14 plain steps) comes that much more rarely: the
 stall is what every request in the batch sees as one long inter-token gap. Steps that feed
 a prompt are plain and not measured: a prompt chunk waits for nothing but the decode
-tokens beside it (the planner).
+tokens beside it (engine/decide.py).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ starts at `window.initial`; on a device whose row starts elsewhere (the seed's t
 slow CPU (row 2: 2, 3-4, 2) and a fast GPU (row 8: 8, 12-16, 6).
 
 For the hybrid method (the CPU default) the window is the most the model may draft; the
-hybrid's cost model decides how many it does (engine/planner.py).
+hybrid's cost model decides how many it does (engine/decide.py).
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ class WindowPolicy(Protocol):
 class KeepRule:
     """A sequence's per-token drafting rule for this round: its policy and its view, handed
     to the draft model with the job, so the drafter asks the policy directly (no callback
-    into the planner)."""
+    into the round's decision)."""
 
     policy: WindowPolicy
     view: RoundView

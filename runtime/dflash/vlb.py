@@ -24,7 +24,7 @@ window policy alone decides.
 
 Whether a batch speculates at all is measured, not modelled (`speculate`, batch_modes.py):
 per batch size the realized tokens per second of speculating and of plain steps; a step
-that feeds a prompt never speculates (the planner), so a waiting request's first token is
+that feeds a prompt never speculates (engine/decide.py), so a waiting request's first token is
 not held behind verify windows.
 """
 

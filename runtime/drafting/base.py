@@ -1,4 +1,4 @@
-"""The drafting protocols: Drafting (what the planner and the engine call each round,
+"""The drafting protocols: Drafting (what the round's decision and the engine call each round,
 drafting/hybrid.py) and Drafter (one source of drafts: the lookup, a draft model).
 
 A drafter proposes draft tokens for the sequences of a round, appending them to each
@@ -18,16 +18,18 @@ token, its own confidence rule).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from dspark.runtime.dflash.policy import KeepRule
+from dspark.runtime.dflash.source import SourceChooser
 from dspark.runtime.drafting.state import DraftState
 from dspark.runtime.sequence.request import Sequence
 
 
 @dataclass
 class DraftWork:
-    """One sequence's drafting job this round."""
+    """One sequence's drafting job this round, as the round's decision set it (the one job
+    type between the decision and the drafters)."""
 
     seq: Sequence
     state: DraftState
@@ -37,40 +39,37 @@ class DraftWork:
     catch_up: int = 1 << 30  # tokens a draft model reads per forward while catching up
 
 
-class DraftJob(NamedTuple):
-    """One sequence's drafting this round, as the planner set it."""
-
-    seq: Sequence
-    method: str  # hybrid, lookup or draft
-    window: int  # model drafts wanted
-    lookup: int  # lookup drafts wanted (the lookup cap)
-    at_end: bool = True  # the round's chunk reaches the sequence's end: drafts may follow
-    room: int = 1 << 30  # positions the sequence may fill (its reservation)
-    catch_up: int = 1 << 30  # tokens a draft model reads per forward while catching up
-    keep: KeepRule | None = None  # the policy's per-token rule for the draft model
-
-
-class Proposed(NamedTuple):
-    """What the drafting proposed for one job: the round's pending drafts and what the
-    planner's balance reads of them."""
-
-    source: str  # plain, lookup, draft or lookup+draft
-    lookup: int  # the lookup cap, raised to take a grammar's forced tokens (0: rested)
-    pending: DraftState  # the sequence's pending drafts (read until settle)
-    survivals: tuple[float, ...] = ()  # calibrated, per pending draft, where a lookup proposed
-
-
 class Drafting(Protocol):
-    """The round's drafting as the engine and the planner call it (drafting/hybrid.py):
-    `rests` once per round for each lookup slot (True: nothing to do, a plain round), then
-    `propose` once per round (from the planner), `settle` with verification's outcome
-    (from the engine); `release` when a sequence ends."""
+    """The round's drafting as the engine and the round's decision call it
+    (drafting/hybrid.py): `rests` once per round for each lookup slot (True: nothing to do,
+    a plain round), then the decision's calls (engine/decide.py), `settle` with
+    verification's outcome (from the engine); `release` when a sequence ends."""
 
     default_draft: str | None  # the draft model role sequences use (None: none)
+    chooser: SourceChooser  # the hybrid's scores (dflash/source.py), which settle teaches
+    has_model: bool  # is there a draft model at all
 
     def rests(self, seq: Sequence) -> bool: ...
 
-    def propose(self, jobs: list[DraftJob]) -> list[Proposed]: ...
+    def pending(self, seq: Sequence) -> DraftState: ...
+
+    def survivals(self, seq: Sequence, count: int | None = None) -> list[float]: ...
+
+    def force(self, seq: Sequence, limit: int) -> int: ...
+
+    def look_up(self, caps: list[tuple[Sequence, int]]) -> set[int]: ...
+
+    def cut(self, seq: Sequence, keep: int, looked_up: bool) -> None: ...
+
+    def drop(self, seq: Sequence) -> None: ...
+
+    def model_lag(self, seq: Sequence) -> tuple[int, bool] | None: ...
+
+    def from_store(self, seq: Sequence) -> bool: ...
+
+    def draft(self, work: list[DraftWork]) -> None: ...
+
+    def constrain(self, seq: Sequence) -> None: ...
 
     def settle(self, seq: Sequence, old_len: int, verified: int, accepted: int,
                main_token: int, seconds: float) -> None: ...

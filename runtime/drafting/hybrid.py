@@ -1,15 +1,11 @@
-"""The hybrid drafter: per sequence and round, the lookup, the draft model, both (a lookup
-prefix extended by the model) or nothing, by expected accepted tokens per second.
+"""The hybrid drafting: every sequence's pending drafts and the drafters that fill them (the
+lookup, a draft model), doing what the round's decision (engine/decide.py) tells it:
 
-    lookup   the lookup drafter proposes (free) up to the slot's lookup cap; a proposal whose
-             first draft is at least `lookup_trust` likely is verified alone (letting the
-             model compete there cost edit prompts a good part of their gain)
-    extend   otherwise, with P the pending drafts' survivals (lookup, held drafts), the model may
-             add w drafts, w in 0..window, scored by SourceChooser:
-                 (1 + sum P + P_last * sum_j b_j) / (w t_draft + t_main(|P| + w + 1))
-             or replace them (P dropped, w >= 1), whichever promises more; w = 0 with
-             nothing pending is a plain round (re-measured now and then)
-    model    method "draft": the window policy's window, as it decides, no cost gate
+    force, look_up      a grammar's forced tokens; the lookups' proposals (free)
+    cut, drop           keep the drafts worth their verify; drop them all
+    draft, constrain    the draft model's proposals; a grammar's cut at its first forbidden
+    model_lag, ...      the facts the decision reads (what the model has not read, the
+                        pending drafts' calibrated survivals, the SourceChooser)
 
 It owns every sequence's DraftState and hands each drafter its part; `settle` is the one
 place where verification's outcome reaches the drafters (statistics, calibration, caches).
@@ -17,14 +13,12 @@ place where verification's outcome reaches the drafters (statistics, calibration
 
 from __future__ import annotations
 
-from dspark.runtime.dflash.source import STEADY_BEHIND, SourceChooser
-from dspark.runtime.drafting.base import DraftJob, DraftWork, Proposed
+from dspark.runtime.dflash.source import SourceChooser
+from dspark.runtime.drafting.base import DraftWork
 from dspark.runtime.drafting.lookup import LookupDrafter
 from dspark.runtime.drafting.model import ModelDrafter
-from dspark.runtime.drafting.state import DraftState, settle
+from dspark.runtime.drafting.state import FORCED, DraftState, settle
 from dspark.runtime.sequence.request import Sequence
-
-FORCED = "grammar"  # the source name of forced drafts
 
 
 class Backoff:
@@ -54,11 +48,6 @@ class Backoff:
     def forget(self, seq_id: int) -> None:
         self.misses.pop(seq_id, None)
         self.skip.pop(seq_id, None)
-
-
-def _forced(st: DraftState) -> int:
-    """How many pending drafts, from the first, a grammar forced (sure, free)."""
-    return next((i for i, s in enumerate(st.sources) if s != FORCED), len(st.sources))
 
 
 class HybridDrafter:
@@ -104,7 +93,7 @@ class HybridDrafter:
     def rests(self, seq: Sequence) -> bool:
         """A lookup-only sequence with nothing pending, no grammar, and its lookups backed
         off this round (the round's skip is spent): a plain round with nothing to do. Asked
-        once per round, before `propose` (the planner leaves such a slot plain)."""
+        once per round, before any drafting (the decision leaves such a slot plain)."""
         st = self.states.get(seq.id)
         return ((st is None or not len(st)) and seq.constraint is None
                 and not self.backoff.ready(seq.id))
@@ -114,102 +103,70 @@ class HybridDrafter:
         n = len(st) if count is None else count
         return self.chooser.survivals(seq.id, st.sources[:n], st.confidence[:n])
 
-    def propose(self, jobs: list[DraftJob]) -> list[Proposed]:
-        """Fill each job's pending drafts; per job the source used (plain, lookup, draft or
-        lookup+draft; held drafts count as what proposed them), its lookup cap, raised to
-        take a grammar's forced tokens, and the pending drafts. A grammar's sequence starts
-        from the tokens it forces (free drafts), and its drafts end at the first one the
-        grammar forbids. The jobs are those the planner did not leave plain (`rests`)."""
-        working = [self._force(j) for j in jobs]
-        self._fill(working)
-        return [self._proposed(j) for j in working]
+    def pending(self, seq: Sequence) -> DraftState:
+        return self.state(seq)
 
-    def _proposed(self, job: DraftJob) -> Proposed:
-        st = self.state(job.seq)
-        survivals = tuple(self.survivals(job.seq)) if "lookup" in st.sources else ()
-        return Proposed(self._used(st), job.lookup, st, survivals)
+    @property
+    def has_model(self) -> bool:
+        return self.model is not None
 
-    def _fill(self, jobs: list[DraftJob]) -> None:
-        """The lookup's drafts, those not worth their verify dropped, then the model's."""
-        caps = {j.seq.id: j.lookup for j in jobs if j.method != "draft" and j.lookup
-                and self.backoff.ready(j.seq.id)}
-        self.lookup.propose([DraftWork(j.seq, self.state(j.seq),
-                                       len(self.state(j.seq)) + caps[j.seq.id])
-                             for j in jobs if j.seq.id in caps])
-        model_work = []
-        for seq, method, window, _, _, room, catch_up, keep in jobs:
-            st = self.state(seq)
-            if method != "draft":  # pending drafts that would not pay their verify go
-                before = len(st)
-                survivals = self.survivals(seq)
-                paying = self.chooser.worth(survivals, _forced(st))
-                if not paying and before and st.sources[0] == "lookup":
-                    self.shadow[seq.id] = (st.tokens[0], survivals[0])
-                self.truncate(seq, paying)
-                if seq.id in caps:
-                    self.backoff.record(seq.id, kept=len(st) > _forced(st) and before > 0)
-            extra = self._extension(seq, window) if method == "hybrid" else window
-            if method == "draft":
-                extra = window - len(st)
-            if extra > 0 and self.model is not None and method != "lookup":
-                model_work.append(DraftWork(seq, st, len(st) + extra, keep, room, catch_up))
-        if self.model is not None:
-            self.model.propose(model_work)
-        for j in jobs:
-            if j.seq.constraint is not None:
-                self.truncate(j.seq, j.seq.constraint.valid_prefix(self.state(j.seq).tokens))
-
-    def _force(self, job: DraftJob) -> DraftJob:
-        """A grammar's forced tokens become pending drafts when nothing is pending and the
-        sequence is at its end; the lookup cap lets the verify take them all."""
-        seq = job.seq
-        if seq.constraint is None or len(self.state(seq)) or not job.at_end:
-            return job
-        left = seq.request.max_tokens - len(seq.generated) - 1
-        forced = seq.constraint.forced()[:max(0, left)]
+    def force(self, seq: Sequence, limit: int) -> int:
+        """A grammar's forced tokens (at most `limit`) as pending drafts, where the sequence
+        has a grammar and nothing pending; how many."""
+        if seq.constraint is None or len(self.state(seq)):
+            return 0
+        forced = seq.constraint.forced()[:max(0, limit)]
         for token in forced:
             self.state(seq).add(token, FORCED)
-        return job._replace(lookup=max(job.lookup, len(forced)))
+        return len(forced)
 
-    def _extension(self, seq: Sequence, window: int) -> int:
-        """How many model drafts to add after what is pending (see the module doc); drops
-        the pending drafts when the model alone promises more."""
-        pending = self.survivals(seq)
-        if self.model is None or window <= 0:
-            return 0
-        if (pending and pending[0] >= self.chooser.config.lookup_trust
-                and not self.lookup.from_store(seq)):
-            return 0  # a confident lookup: verified as is, no draft forward spent
-        # The model's catch-up beyond a round's usual one or two tokens: a prompt it never
-        # read is paid once (spread over the output left), output it sat out in lookup
-        # rounds is charged to this round (SourceChooser.catch_up).
-        lag = len(seq.tokens) - min(self.model.cached(seq), len(seq.tokens))
-        left = seq.request.max_tokens - len(seq.generated)
-        read_prompt = self.model.cached(seq) >= seq.prompt_len
-        overhead = self.chooser.catch_up(lag, left, seq.stats, once=not read_prompt)
-        if overhead is None:
-            return 0 if pending else window
-        behind = min(STEADY_BEHIND, lag)
-        choose = self.chooser
-        keep = choose.extension(seq.id, pending, window - len(pending), seq.stats,
-                                behind + len(pending), overhead)
-        if keep is None:  # costs unmeasured: the policy's window where nothing is pending
-            return 0 if pending else window
-        chosen = (pending, keep, behind + len(pending))
-        if pending:
-            alone = choose.extension(seq.id, [], window, seq.stats, behind, overhead)
-            if alone and choose.rate([], alone, seq.stats, behind, overhead) > choose.rate(
-                    pending, keep, seq.stats, behind + len(pending), overhead):
-                self._drop_pending(seq)
-                chosen = ([], alone, behind)
-        elif not keep and choose.explore(seq.id, choose.seconds(0, 1, behind, overhead)):
-            chosen = ([], 1, behind)
-        survivals, extra, read = chosen
-        if extra and (lag <= STEADY_BEHIND or read_prompt):  # a prompt catch-up says little
-            choose.expect(seq.id, choose.seconds(len(survivals), extra, read, overhead))
-        elif not extra and not survivals:
-            choose.expect(seq.id, choose.seconds(0), "plain")
-        return extra
+    def look_up(self, caps: list[tuple[Sequence, int]]) -> set[int]:
+        """The lookups propose, each up to its cap after what is pending, for the sequences
+        whose lookups are not backed off this round; their ids."""
+        ready = [(seq, cap) for seq, cap in caps if self.backoff.ready(seq.id)]
+        self.lookup.propose([DraftWork(seq, self.state(seq), len(self.state(seq)) + cap)
+                             for seq, cap in ready])
+        return {seq.id for seq, _ in ready}
+
+    def cut(self, seq: Sequence, keep: int, looked_up: bool) -> None:
+        """Keep the first `keep` pending drafts (those worth their verify). A lookup's
+        proposal cut whole is remembered (`shadow`); a sequence that looked up this round
+        backs off its lookups while they keep nothing."""
+        st = self.state(seq)
+        before = len(st)
+        if not keep and before and st.sources[0] == "lookup":
+            self.shadow[seq.id] = (st.tokens[0], self.survivals(seq)[0])
+        self.truncate(seq, keep)
+        if looked_up:
+            self.backoff.record(seq.id, kept=len(st) > st.forced and before > 0)
+
+    def model_lag(self, seq: Sequence) -> tuple[int, bool] | None:
+        """(tokens the draft model has not read, whether it read the prompt); None without
+        a draft model."""
+        if self.model is None:
+            return None
+        cached = self.model.cached(seq)
+        return len(seq.tokens) - min(cached, len(seq.tokens)), cached >= seq.prompt_len
+
+    def from_store(self, seq: Sequence) -> bool:
+        """Did the pending lookup drafts come from the bundle's datastore?"""
+        return self.lookup.from_store(seq)
+
+    def draft(self, work: list[DraftWork]) -> None:
+        """The draft model proposes (`work`: each sequence's target and rule)."""
+        if self.model is not None:
+            self.model.propose(work)
+
+    def constrain(self, seq: Sequence) -> None:
+        """A grammar's sequence keeps its drafts up to the first the grammar forbids."""
+        if seq.constraint is not None:
+            self.truncate(seq, seq.constraint.valid_prefix(self.state(seq).tokens))
+
+    def drop(self, seq: Sequence) -> None:
+        """Drop every pending draft."""
+        self.state(seq).clear()
+        for drafter in self.drafters:
+            drafter.trim(seq, len(seq.tokens))
 
     def truncate(self, seq: Sequence, keep: int) -> None:
         """Keep only the first `keep` pending drafts."""
@@ -218,16 +175,6 @@ class HybridDrafter:
             st.truncate(keep)
             for drafter in self.drafters:
                 drafter.trim(seq, len(seq.tokens) + keep)
-
-    def _drop_pending(self, seq: Sequence) -> None:
-        self.state(seq).clear()
-        for drafter in self.drafters:
-            drafter.trim(seq, len(seq.tokens))
-
-    @staticmethod
-    def _used(st: DraftState) -> str:
-        used = sorted(set(st.sources))
-        return "+".join(used) if used else "plain"
 
     def settle(self, seq: Sequence, old_len: int, verified: int, accepted: int,
                main_token: int, seconds: float) -> None:

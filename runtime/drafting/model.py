@@ -236,7 +236,7 @@ def draw(w: DraftWork, logits: np.ndarray, tmap: TokenMap | None) -> bool:
 def bundle_drafter(bundle, runners: dict, arena, draft: str, shared_kv, commit
                    ) -> ModelDrafter | None:
     """The bundle's draft models (`runners`) as a drafter, or None without any (each
-    round's DraftJob says how far a sequence may fill: its reservation, and how many tokens
+    round's DraftWork says how far a sequence may fill: its reservation, and how many tokens
     a catch-up reads: a prompt chunk)."""
     if not runners:
         return None

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+FORCED = "grammar"  # the source name of a grammar's forced drafts
+
 
 @dataclass
 class DraftState:
@@ -45,6 +47,17 @@ class DraftState:
 
     def clear(self) -> None:
         self.drop(len(self.tokens))
+
+    @property
+    def forced(self) -> int:
+        """How many pending drafts, from the first, a grammar forced (sure, free)."""
+        return next((i for i, s in enumerate(self.sources) if s != FORCED), len(self.sources))
+
+    @property
+    def used(self) -> str:
+        """What proposed the pending drafts: plain (none), or their sources joined by +."""
+        used = sorted(set(self.sources))
+        return "+".join(used) if used else "plain"
 
 
 def settle(state: DraftState, verified: int, accepted: int, main_token: int) -> int:

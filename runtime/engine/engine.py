@@ -1,7 +1,7 @@
 """The engine: continuous batching with speculative decoding, one batch per step.
 
-    step: plan (scheduler: who runs, prompt chunks; planner: method and windows
-                -> the drafting's propose -> how many drafts the verify checks)
+    step: plan (scheduler: who runs, prompt chunks; then the round's decision, decide.py:
+                method and windows -> the drafts -> how many the verify checks)
           -> verify w+1 in one main forward -> accept (pure function)
           -> commit (main cache; the drafting's settle; the policies observe) -> emit
           -> retire
@@ -27,8 +27,7 @@ from dspark.runtime.cache.layout import ArenaLayout
 from dspark.runtime.cache.manager import KVCache
 from dspark.runtime.cache.prefix_cache import PrefixCache
 from dspark.runtime.dflash.che import CacheHealth
-from dspark.runtime.dflash.ras import ResourceManager, available_bytes, probe_device
-from dspark.runtime.dflash.ras import kv_budget as kv_budget_for
+from dspark.runtime.dflash.ras import ResourceManager, probe_device
 from dspark.runtime.dflash.reload import ConfigSource, ConfigWatcher
 from dspark.runtime.dflash.source import SourceChooser
 from dspark.runtime.dflash.vlb import VerifyBalancer
@@ -38,14 +37,15 @@ from dspark.runtime.drafting.lookup import LookupDrafter
 from dspark.runtime.drafting.model import bundle_drafter
 from dspark.runtime.engine.acceptance import Acceptance, accept, scored_rows
 from dspark.runtime.engine.choices import Choices
+from dspark.runtime.engine.decide import decide
 from dspark.runtime.engine.emit import emit
-from dspark.runtime.engine.kv_setup import cached_roles, kv_layout, shared_kv_roles
+from dspark.runtime.engine.kv_setup import cached_roles, engine_layout, shared_kv_roles
 from dspark.runtime.engine.planner import WindowPlanner
 from dspark.runtime.engine.round_plan import RoundPlan, Slot
 from dspark.runtime.engine.scheduler import Scheduler, in_flight
 from dspark.runtime.engine.snapshot import EngineGauges, RoundRecord, StepReport
 from dspark.runtime.engine.warmup import DRAFT_SIZES, MAIN_SIZES, warm_up
-from dspark.runtime.errors import DSparkError, RequestError
+from dspark.runtime.errors import RequestError
 from dspark.runtime.grammar.constraint import GrammarBook
 from dspark.runtime.model.costs import AFTER_DRAFT, CostModel
 from dspark.runtime.model.device import resolve_device
@@ -81,19 +81,11 @@ class Engine:
         self.costs = CostModel()
         self.device = resolve_device(device)
         self.shared_kv = shared_kv_roles(bundle, self.config.drafting.share_main_kv)
-        if kv_dtype not in (None, "float32") and self.device.type == "cuda":
-            raise DSparkError(f"--kv-cache-dtype {kv_dtype} runs on the CPU; on a GPU the "
-                              "cache keeps the model's own dtype")
         flight = in_flight(prefill_tokens or self.config.scheduling.prefill_chunk_tokens)
-        layout = kv_layout(bundle, self.shared_kv, None, kv_dtype, max_seq_len, windowed_kv,
-                           flight)
-        if kv_budget == "auto":
-            kv_budget = kv_budget_for(self.config.resources, layout.bytes_per_seq, max_batch,
-                                      available_bytes(self.device))
-        if kv_budget is not None:
-            layout = kv_layout(bundle, self.shared_kv, kv_budget, kv_dtype, max_seq_len,
-                               windowed_kv, flight)
-        self.arena = KVArena(layout, device=self.device)
+        self.arena = KVArena(engine_layout(bundle, self.shared_kv, self.config.resources,
+                                           self.device, max_batch, flight, kv_budget,
+                                           kv_dtype, max_seq_len, windowed_kv),
+                             device=self.device)
         self.arena.zero_rejected = self.config.cache_health.zero_rejected_slots
         self.main = ModelRunner(bundle, "main", self.arena, self.costs, kernels=kernels)
         self.draft_models = {r: ModelRunner(bundle, r, self.arena, self.costs, kernels=kernels,
@@ -109,7 +101,7 @@ class Engine:
         prefix = PrefixCache(self.arena, cached_roles(bundle, self.shared_kv), prefix_cache)
         self.kv = KVCache(self.arena, prefix, lambda: self.scheduler.in_flight)
         self.scheduler = Scheduler(self.kv, self.config, max_batch, prefill_tokens)
-        self.planner = WindowPlanner(self.config, self.costs, self.resources, self.balancer,
+        self.planner = WindowPlanner(self.config, self.costs, self.resources,
                                      bool(self.draft_models), policy or (
                                          "fixed" if window else None), window)
         lookup = LookupDrafter(self.config.drafting.lookup, bundle.datastore)
@@ -164,7 +156,7 @@ class Engine:
         self.scheduler.admit()
         scheduled = self.scheduler.plan_step()
         t0 = time.perf_counter()  # the round's planning, drafting and verify
-        plan = self.planner.plan(scheduled, self.drafting)
+        plan = decide(scheduled, self.planner, self.balancer, self.drafting)
         if not plan:
             return StepReport()
         logits, verify_ms = self._verify(plan)
@@ -176,8 +168,8 @@ class Engine:
                     rounds.append(record)
             except Exception as e:  # noqa: BLE001 - one sequence's fault ends it alone
                 slot.seq.finish_reason, slot.seq.error = "error", e
-        if self.planner.decided:  # a prompt's step is plain, and not a measure
-            self.balancer.observe_step(len(plan), self.planner.speculated, sum(
+        if plan.measured:  # a prompt's step is plain, and not a measure
+            self.balancer.observe_step(len(plan), plan.speculated, sum(
                 len(s.seq.generated) for s in plan) - before, time.perf_counter() - t0)
         for seq in plan.seqs:
             if seq.done:

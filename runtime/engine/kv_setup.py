@@ -4,7 +4,9 @@ keys, and the arena's layout for them."""
 from __future__ import annotations
 
 from dspark.runtime.bundle.bundle import Bundle
+from dspark.runtime.bundle.config import ResourceConfig
 from dspark.runtime.cache.layout import IN_FLIGHT, ArenaLayout, arena_layout
+from dspark.runtime.dflash.ras import available_bytes, kv_budget
 from dspark.runtime.errors import DSparkError
 
 
@@ -36,3 +38,20 @@ def kv_layout(bundle: Bundle, shared: frozenset[str], budget: int | None,
     specs = [bundle.model(p.role) for p in plan.pools if p.role not in shared]
     return arena_layout(specs, budget or plan.budget_bytes, plan.block_size,
                         max_seq_len or plan.max_seq_len, kv_dtype, windowed, flight)
+
+
+def engine_layout(bundle: Bundle, shared: frozenset[str], resources: ResourceConfig, device,
+                  max_batch: int, flight: int, budget: int | str | None,
+                  kv_dtype: str | None, max_seq_len: int | None, windowed: bool
+                  ) -> ArenaLayout:
+    """The engine's arena: the bundle's budget, a given one, or ("auto") the one RAS sizes
+    for `max_batch` sequences from the memory available (dflash/ras.py)."""
+    if kv_dtype not in (None, "float32") and device.type == "cuda":
+        raise DSparkError(f"--kv-cache-dtype {kv_dtype} runs on the CPU; on a GPU the "
+                          "cache keeps the model's own dtype")
+    layout = kv_layout(bundle, shared, None, kv_dtype, max_seq_len, windowed, flight)
+    if budget == "auto":
+        budget = kv_budget(resources, layout.bytes_per_seq, max_batch, available_bytes(device))
+    if budget is None:
+        return layout
+    return kv_layout(bundle, shared, budget, kv_dtype, max_seq_len, windowed, flight)

@@ -2,10 +2,9 @@
 
     scheduler    which sequences run, each one's prompt chunk (uncached tokens fed) and the
                  room its reservation gives
-    planner      the drafting method and windows (window policy, caps, VLB's batch cap)
-    drafting     which source actually proposed (plain, lookup, draft, lookup+draft), and
-                 the pending drafts themselves
-    balancer     how many pending drafts the verify forward checks (VLB, slot selection)
+    decide       the round's decision (engine/decide.py): the drafting method and windows,
+                 which source actually proposed (plain, lookup, draft, lookup+draft) and
+                 the pending drafts themselves, how many of them the verify forward checks
 Each stage returns a new plan (`with_slots`); nothing per-round is kept on the Sequence.
 """
 
@@ -55,6 +54,8 @@ FIELDS = frozenset(f.name for f in dataclasses.fields(Slot))
 @dataclass(frozen=True)
 class RoundPlan:
     slots: tuple[Slot, ...] = ()
+    speculated: bool = False  # the step could speculate (engine/decide.py)
+    measured: bool = False  # a step VLB measures: a speculative request, no prompt fed
 
     def __bool__(self) -> bool:
         return bool(self.slots)
@@ -66,7 +67,7 @@ class RoundPlan:
         return len(self.slots)
 
     def with_slots(self, slots) -> RoundPlan:
-        return RoundPlan(tuple(slots))
+        return RoundPlan(tuple(slots), self.speculated, self.measured)
 
     @property
     def seqs(self) -> list[Sequence]:
