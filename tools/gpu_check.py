@@ -302,12 +302,11 @@ def main() -> int:
     try:
         import torch
     except ImportError:
-        print(f"gpu-check: no torch in {sys.executable}, so no CUDA; on a GPU it would run: "
-              f"{WOULD_RUN}")
-        return 0
-    if not torch.cuda.is_available() and not args.interpret:
-        print(f"gpu-check: no CUDA device (torch {torch.__version__}); on a GPU it would run: "
-              f"{WOULD_RUN}")
+        torch = None
+    if torch is None or not (torch.cuda.is_available() or args.interpret):
+        why = (f"no torch in {sys.executable}, so no CUDA" if torch is None
+               else f"no CUDA device (torch {torch.__version__})")
+        print(f"gpu-check: {why}; on a GPU it would run: {WOULD_RUN}")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     log = Log(args.out)
@@ -327,11 +326,8 @@ def main() -> int:
              ("lossless", lambda: lossless(device, library_for, quick, args.wrong_scale))]
     if args.wrong_scale != 1.0:  # only the check that must fail
         steps = [(name, step if name == "lossless" else None) for name, step in steps]
-    summary: dict = {}
-    for name, step in steps:
-        if step is None:
-            summary[name] = {"status": "skipped"}
-            continue
+    summary: dict = {name: {"status": "skipped"} for name, step in steps if step is None}
+    for name, step in ((n, s) for n, s in steps if s is not None):
         t0 = time.perf_counter()
         try:
             summary[name] = step()
