@@ -106,8 +106,8 @@ def packed_groups(bundle: Bundle, role: str) -> dict[str, np.ndarray]:
     """The role's packed int4 groups read into this process's memory, by initializer name
     (none without a MatMulInt4 graph). Mapped from the bundle's file instead, onnxruntime
     stepped slower (page-cache pages, not the huge pages glibc gives our buffers:
-    tools/mapped_weights_probe.py); read here, they are held once, shared by every session
-    of the model."""
+    bench/bench_bundles.py --mapped-groups); read here, they are held once, shared by every
+    session of the model."""
     spec = bundle.model(role)
     if spec.int4_graph_file is None:
         return {}
