@@ -1,7 +1,7 @@
 """The round's decision (engine/decide.py) on a step as a whole: a step that feeds a prompt
-does not speculate and is not one VLB measures, a decode step speculates, and the slots that
-do not speculate come back as the scheduler planned them (fake costs stand in for measured
-ones; a lookup-only bundle)."""
+does not speculate and is not one VLB measures, a decode step speculates, the slots that
+do not speculate come back as the scheduler planned them, and a resting lookup slot gets no
+drafting work (fake costs stand in for measured ones; a lookup-only bundle)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from dspark.runtime.sequence.request import GenerationRequest, Sequence
 REPEATS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4]  # a 4-gram match: the lookup proposes
 
 
-def _round(plain_prompt_steps: bool):
+def _round(plain_prompt_steps: bool, drafting_class=HybridDrafter):
     config = DFlashConfig(verify_balance=VerifyBalanceConfig(
         plain_prompt_steps=plain_prompt_steps))
     costs = CostModel()
@@ -38,8 +38,8 @@ def _round(plain_prompt_steps: bool):
     planner = WindowPlanner(config, costs, ResourceManager(
         ResourceConfig(table=(ResourceRow("cpu", 8),)), Device("cpu", "cpu", 24.0, 2), {}),
         has_model=False)
-    drafting = HybridDrafter(LookupDrafter(LookupConfig()), None,
-                             SourceChooser(DraftingConfig(), costs))
+    drafting = drafting_class(LookupDrafter(LookupConfig()), None,
+                              SourceChooser(DraftingConfig(), costs))
     return planner, VerifyBalancer(config.verify_balance, costs), drafting
 
 
@@ -80,3 +80,29 @@ def test_a_request_without_speculation_stays_plain():
     plan = decide(RoundPlan((Slot(seq, 1),)), planner, balancer, drafting)
     assert not plan.measured and not plan.speculated
     assert plan.slots == (Slot(seq, 1),)
+
+
+def test_a_resting_lookup_slot_stays_plain():
+    """A lookup slot whose lookups rest this round gets no drafting work: the decision leaves
+    it a plain slot and the lookups never see it; the other slot of the batch, not resting,
+    is proposed for as usual."""
+
+    class Recording(HybridDrafter):
+        resting, jobs = {1}, []
+
+        def rests(self, seq):
+            return seq.id in self.resting
+
+        def look_up(self, caps):
+            self.jobs.extend(seq.id for seq, _ in caps)
+            return super().look_up(caps)
+
+    planner, balancer, drafting = _round(True, Recording)
+    a, b = _decoding(1), Sequence(2, GenerationRequest(tuple(range(30, 40)), 32))
+    b.tokens.append(7)
+    b.main_cached = len(b.tokens) - 1
+    plan = decide(RoundPlan((Slot(a, 1), Slot(b, 1))), planner, balancer, drafting)
+    assert drafting.jobs == [2]
+    [left, proposed] = plan.slots
+    assert (left.method, left.lookup, left.verify) == ("plain", 0, 0)
+    assert proposed.method == "lookup" and proposed.lookup > 0

@@ -18,8 +18,8 @@ from dspark.runtime.dflash.source import (
 )
 from dspark.runtime.drafting.hybrid import HybridDrafter
 from dspark.runtime.drafting.lookup import LookupDrafter
-from dspark.runtime.engine.decide import decide, drafts
-from dspark.runtime.engine.round_plan import RoundPlan, Slot
+from dspark.runtime.engine.decide import drafts
+from dspark.runtime.engine.round_plan import Slot
 from dspark.runtime.model.costs import DRAFT_STEP, CostModel
 from dspark.runtime.sequence.request import GenerationRequest, Sequence
 
@@ -283,47 +283,6 @@ def test_a_backed_off_lookup_rests_on_exactly_the_skipped_rounds():
     assert rested > 20  # the back-off did skip
     hybrid.state(seq).add(3, "lookup", None, 0.9)
     assert not hybrid.rests(seq)
-
-
-def test_the_decision_leaves_a_resting_lookup_slot_plain():
-    """A lookup slot whose lookups rest this round gets no drafting work: the round's
-    decision leaves it a plain slot and the lookups never see it; the other slot of the
-    batch (a request that asks for the lookup explicitly, not resting) is proposed for as
-    usual."""
-    from dspark.runtime.bundle.config import DFlashConfig, ResourceConfig, ResourceRow
-    from dspark.runtime.dflash.ras import Device, ResourceManager
-    from dspark.runtime.dflash.vlb import VerifyBalancer
-    from dspark.runtime.engine.planner import WindowPlanner
-
-    config, costs = DFlashConfig(), _costs()
-    planner = WindowPlanner(config, costs, ResourceManager(
-        ResourceConfig(table=(ResourceRow("cpu", 8),)), Device("cpu", "cpu", 24.0, 2), {}),
-        has_model=False)
-
-    class Recording(HybridDrafter):
-        def __init__(self, resting: set[int]):
-            super().__init__(LookupDrafter(LookupConfig()), None,
-                             SourceChooser(DraftingConfig(), costs))
-            self.resting, self.jobs = resting, []
-
-        def rests(self, seq):
-            return seq.id in self.resting
-
-        def look_up(self, caps):
-            self.jobs.extend(seq.id for seq, _ in caps)
-            return super().look_up(caps)
-
-    a, b = _seq(list(range(10, 20)), seq_id=1), _seq(list(range(30, 40)), seq_id=2)
-    for seq in (a, b):  # past the prompt: one token generated, not yet cached
-        seq.tokens.append(7)
-        seq.main_cached = len(seq.tokens) - 1
-    drafting = Recording({1})
-    plan = decide(RoundPlan((Slot(a, 1), Slot(b, 1))), planner,
-                  VerifyBalancer(config.verify_balance, costs), drafting)
-    assert drafting.jobs == [2]
-    [left, proposed] = plan.slots
-    assert (left.method, left.lookup, left.verify) == ("plain", 0, 0)
-    assert proposed.method == "lookup" and proposed.lookup > 0
 
 
 @pytest.mark.parametrize("held", [True, False])

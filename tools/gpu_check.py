@@ -262,23 +262,12 @@ def lossless(device, library_for, quick: bool, skew: float = 1.0) -> dict:
     from dspark.runtime.model.device import cuda_problem
 
     problem = cuda_problem() if device.type == "cuda" else "the CPU interpreter run"
-    from gpu_lossless import check
+    from gpu_lossless import check, engine_tests
 
     result = check(device, library_for, windows=(1, 4) if quick else (1, 4, 8),
                    new_tokens=16 if quick else 48, skew=skew)
-    result["engine_on_cuda"] = "not run: " + problem if problem else _engine_tests()
+    result["engine_on_cuda"] = "not run: " + problem if problem else engine_tests(ROOT)
     return result
-
-
-def _engine_tests() -> str:
-    """The engine on CUDA through tests/test_gpu.py (fixture bundles compiled on the spot:
-    needs the dev extra; a missing part shows as the tests' own error)."""
-    import subprocess
-
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py"],
-                       capture_output=True, text=True, timeout=300, cwd=str(ROOT))
-    tail = (r.stdout.strip().splitlines() or ["no output"])[-1]
-    return f"pytest -m gpu tests/test_gpu.py: exit {r.returncode}: {tail}"
 
 
 def main() -> int:

@@ -12,6 +12,7 @@ the kernels drafts windows of w tokens from a corrupted copy of the target (so s
 are rejected part way), verifies them in one forward, keeps the longest agreeing prefix plus
 the model's own next token, and rolls back by length (rejected slots are simply rewritten
 later, as in the runtime). Its tokens must equal the target's, for every window.
+`engine_tests`: the engine itself on CUDA (tests/test_gpu.py), where onnxruntime can.
 """
 
 from __future__ import annotations
@@ -155,3 +156,16 @@ def check(device, library_for, windows=(1, 4, 8), new_tokens=40, prompt_len=13,
         rows.append({"window": w, "same": got == target, "first_difference": first_diff,
                      "drafted": drafted, "accepted": accepted})
     return {"tokens": new_tokens, "windows": rows, "passed": all(r["same"] for r in rows)}
+
+
+def engine_tests(root) -> str:
+    """The engine on CUDA through tests/test_gpu.py, run from the repository `root` (fixture
+    bundles compiled on the spot: needs the dev extra; a missing part shows as the tests'
+    own error)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py"],
+                       capture_output=True, text=True, timeout=300, cwd=str(root))
+    tail = (r.stdout.strip().splitlines() or ["no output"])[-1]
+    return f"pytest -m gpu tests/test_gpu.py: exit {r.returncode}: {tail}"

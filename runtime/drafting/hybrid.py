@@ -85,6 +85,7 @@ class HybridDrafter:
         return [d for d in (self.lookup, self.model) if d is not None]
 
     def state(self, seq: Sequence) -> DraftState:
+        """The sequence's pending drafts (an empty buffer on first use)."""
         st = self.states.get(seq.id)
         if st is None:
             st = self.states[seq.id] = DraftState()
@@ -102,9 +103,6 @@ class HybridDrafter:
         st = self.state(seq)
         n = len(st) if count is None else count
         return self.chooser.survivals(seq.id, st.sources[:n], st.confidence[:n])
-
-    def pending(self, seq: Sequence) -> DraftState:
-        return self.state(seq)
 
     @property
     def has_model(self) -> bool:

@@ -105,7 +105,7 @@ def drafts(slots: list[Slot], drafting: Drafting, planner: WindowPlanner | None 
                                   if s.method != "draft" and s.lookup])
     work = []
     for s in slots:
-        pending = drafting.pending(s.seq)
+        pending = drafting.state(s.seq)
         if s.method != "draft":
             drafting.cut(s.seq, drafting.chooser.worth(drafting.survivals(s.seq),
                                                        pending.forced),
@@ -121,7 +121,7 @@ def drafts(slots: list[Slot], drafting: Drafting, planner: WindowPlanner | None 
     out = []
     for s in slots:
         drafting.constrain(s.seq)
-        pending = drafting.pending(s.seq)
+        pending = drafting.state(s.seq)
         out.append(s.but(source=pending.used, pending=pending))
     return out
 
