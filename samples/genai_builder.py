@@ -5,6 +5,7 @@ with one adaptation: transformers 5 gives Gemma 3 its rope as per-layer-type
 Its Phi-3 reads a LongRoPE scaling's kind as transformers 4's "type" (5: "rope_type").
 
     python samples/genai_builder.py -i HF_FOLDER -o OUT -p fp32|int4 -e cpu
+    python samples/genai_builder.py --many '[["-i", ...], ...]'   # several, imports paid once
 """
 
 from __future__ import annotations
@@ -23,14 +24,30 @@ def _flat_rope(config):
     return config
 
 
-def main() -> None:
+def adapt() -> None:
+    """Hand every config the builder loads over in the form it reads (once per process)."""
     import transformers
 
     load = transformers.AutoConfig.from_pretrained.__func__
     transformers.AutoConfig.from_pretrained = classmethod(
         lambda cls, *a, **k: _flat_rope(load(cls, *a, **k)))
-    sys.argv = ["onnxruntime_genai.models.builder", *sys.argv[1:]]
+
+
+def build(args: list[str]) -> None:
+    """One builder run with these command-line arguments (after `adapt()`)."""
+    sys.argv = ["onnxruntime_genai.models.builder", *args]
     runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__")
+
+
+def main() -> None:
+    adapt()
+    if sys.argv[1:2] == ["--many"]:
+        import json
+
+        for args in json.loads(sys.argv[2]):
+            build([str(a) for a in args])
+    else:
+        build(sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -199,21 +199,18 @@ def optimum_venv() -> Path:
 
 def build_optimum_exports(root: Path) -> dict[str, Path]:
     """{arch: model.onnx} of OPTIMUM_ARCHS as optimum exports them, built once into root."""
+    import shutil
     import subprocess
 
     folder = root / "fixtures-optimum"
     out = {arch: folder / arch / "model.onnx" for arch in OPTIMUM_ARCHS}
     missing = [arch for arch, path in out.items() if not path.exists()]
     if missing:
-        from parallel_builds import in_threads
-
-        venv = optimum_venv()
-        hf = folder / "hf"
-        subprocess.run([str(venv / "python"), str(Path(__file__).with_name("optimum_models.py")),
-                        str(hf), *missing], check=True, capture_output=True)
-        in_threads([[venv / "optimum-cli", "export", "onnx", "--model", hf / f"{arch}-hf",
-                     "--task", "text-generation-with-past", out[arch].parent.with_suffix(".tmp")]
-                    for arch in missing])
+        for arch in missing:
+            shutil.rmtree(out[arch].parent.with_suffix(".tmp"), ignore_errors=True)
+        subprocess.run([str(optimum_venv() / "python"),
+                        str(Path(__file__).with_name("optimum_models.py")), str(folder / "hf"),
+                        str(folder), *missing], check=True, capture_output=True)
         for arch in missing:
             out[arch].parent.with_suffix(".tmp").rename(out[arch].parent)
     return out

@@ -161,9 +161,9 @@ def _genai_tokenizer(folder: Path) -> None:
 
 def build_genai_fixtures(root: Path) -> dict[str, Path]:
     """{name: model folder} of GENAI, built once per recipe into root."""
+    import json
+    import subprocess
     import sys
-
-    from parallel_builds import in_threads
 
     folder = root / f"fixtures-{recipe_hash()}" / "genai"
     out = {name: folder / name for name in GENAI}
@@ -173,9 +173,11 @@ def build_genai_fixtures(root: Path) -> dict[str, Path]:
         if not (hf / "config.json").exists():
             _genai_model(GENAI[name][0]).save_pretrained(str(hf))
             _genai_tokenizer(hf)
-    in_threads([[sys.executable, GENAI_BUILDER, "-i", folder / f"{GENAI[name][0]}-hf",
-                 "-o", out[name].with_suffix(".tmp"), "-p", GENAI[name][1], "-e", "cpu"]
-                for name in missing])
+    if missing:  # one process: torch's and the builder's imports paid once, not per model
+        builds = [["-i", folder / f"{GENAI[name][0]}-hf", "-o", out[name].with_suffix(".tmp"),
+                   "-p", GENAI[name][1], "-e", "cpu"] for name in missing]
+        subprocess.run([sys.executable, GENAI_BUILDER, "--many", json.dumps(builds, default=str)],
+                       check=True, capture_output=True)
     for name in missing:
         out[name].with_suffix(".tmp").rename(out[name])
     return out

@@ -1,8 +1,10 @@
-"""Tiny random-init Hugging Face folders for optimum's exporter, written by the optimum venv's
-own transformers (4.x: its config keys, e.g. `rope_theta`, are what optimum reads). Run by
-model_fixtures.build_optimum_exports with that venv's python:
+"""Tiny random-init Hugging Face folders, written by the optimum venv's own transformers (4.x:
+its config keys, e.g. `rope_theta`, are what optimum reads), each exported by optimum's
+exporter (`main_export`, what `optimum-cli export onnx` calls; one process pays torch's and
+optimum's imports once, not once per model). Run by arch_fixtures.build_optimum_exports with
+that venv's python:
 
-    python tests/optimum_models.py OUT ARCH...
+    python tests/optimum_models.py HF OUT ARCH...    # OUT/ARCH.tmp/model.onnx, ...
 """
 
 import sys
@@ -36,11 +38,15 @@ CONFIGS = {
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    for arch in sys.argv[2:]:
+    from optimum.exporters.onnx import main_export
+
+    hf, out = Path(sys.argv[1]), Path(sys.argv[2])
+    for arch in sys.argv[3:]:
         torch.manual_seed(1234)
         t.AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval().save_pretrained(
-            str(out / f"{arch}-hf"))
+            str(hf / f"{arch}-hf"))
+        main_export(str(hf / f"{arch}-hf"), output=str(out / f"{arch}.tmp"),
+                    task="text-generation-with-past")
 
 
 if __name__ == "__main__":

@@ -2,16 +2,17 @@
 fixture families are built side by side instead of one after another (CI has two cores).
 
     in_processes(jobs)   fn(*args) per job, each in a spawned process (torch exports)
-    in_threads(commands) subprocess.run per command, checked (exporters run as programs)
+
+Exporters run as programs (optimum's, genai's builder) build all their models in one process
+instead (arch_fixtures, model_fixtures): their imports cost more than a tiny model's export.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
-import subprocess
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 
 
 def _workers(jobs: int) -> int:
@@ -32,11 +33,3 @@ def in_processes(jobs: Sequence[tuple[Callable, tuple]]) -> list:
             "spawn"), initializer=_one_thread) as pool:
         futures = [pool.submit(fn, *args) for fn, args in jobs]
         return [f.result() for f in futures]
-
-
-def in_threads(commands: Sequence[list]) -> None:
-    """Run every command (raising CalledProcessError, with its output, for a failed one)."""
-    with ThreadPoolExecutor(_workers(len(commands))) as pool:
-        for future in [pool.submit(subprocess.run, [str(c) for c in cmd], check=True,
-                                   capture_output=True) for cmd in commands]:
-            future.result()

@@ -1,7 +1,10 @@
 """`dsrun cluster` end to end: a local Ray Serve with 2 engine replicas of a fixture bundle,
 started as users start it (a process), driven by the official openai client and httpx.
 
-One module-scoped cluster (Ray's start-up is the cost); the replica kill runs last."""
+One module-scoped cluster (Ray's start-up is the cost), started with --ship-bundle: the
+bundle travels as the job's working_dir (no shared filesystem) and each replica checks its
+hashes there, so every test below is also a test of a shipped bundle (a path-loaded one
+differs only in the directory the replica opens). The replica kill runs last."""
 
 from __future__ import annotations
 
@@ -89,7 +92,8 @@ def cluster(json_bundle, tmp_path_factory):
     shutil.copy(json_bundle / "dflash_config.json", config)
     port, ray_port = free_port(), free_port()
     proc = _start("--model", str(json_bundle), "--replicas", "2", "--port", str(port),
-                  "--config", str(config), "--no-warmup", "--ray-metrics-port", str(ray_port),
+                  "--ship-bundle", "--config", str(config), "--no-warmup",
+                  "--ray-metrics-port", str(ray_port),
                   env={"RAY_AUTH_MODE": "disabled"})  # the test connects to kill a replica
     live = LiveCluster(f"http://127.0.0.1:{port}", "", config, proc,
                        f"http://127.0.0.1:{ray_port}/metrics")
@@ -104,6 +108,8 @@ def cluster(json_bundle, tmp_path_factory):
 
 
 def test_openai_client_gets_the_tokens_dsrun_generate_gives(cluster, json_bundle, capsys):
+    """The shipped bundle answers as `dsrun generate` on the bundle's own path does."""
+    assert cluster.model == json_bundle.name.removesuffix(".dsmodel")
     ref = run_dsrun(capsys, "generate", "--model", json_bundle, "--chat", "name three colors",
                     "--max-tokens", "24", "--json")
     assert ref.code == 0, ref.err
@@ -232,27 +238,3 @@ def test_a_killed_replica_fails_its_stream_cleanly_and_the_rest_serve_on(cluster
         _wait(lambda: len(cluster.replicas() - {victim}) == 2, 90, "a replacement replica")
     finally:
         ray.shutdown()
-
-
-def test_a_shipped_bundle_serves_the_same_tokens(tok_bundle, tmp_path):
-    """--ship-bundle: the bundle travels as the job's working_dir (no shared filesystem);
-    the replica verifies its hashes and answers as the path-loaded bundle does."""
-    port = free_port()
-    proc = _start("--model", str(tok_bundle), "--replicas", "1", "--port", str(port),
-                  "--ship-bundle", "--no-warmup")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200,
-              START_TIMEOUT_S, "the shipped cluster", proc)
-        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-        assert model == tok_bundle.name.removesuffix(".dsmodel")
-        body = {"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0}
-        got = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
-        from dspark.runtime.engine.loader import load_engine
-        from dspark.runtime.sequence.request import GenerationRequest
-
-        engine, tokenizer = load_engine(tok_bundle, warmup=False)
-        [seq] = engine.generate([GenerationRequest((5, 6, 7, 8), 12)])
-        assert got["choices"][0]["text"] == tokenizer.decode(seq.generated)
-    finally:
-        _stop(proc)
