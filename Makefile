@@ -139,6 +139,7 @@ benchmarks: setup  # the figures of docs/benchmarks.md (bench/report_benchmarks.
 	$(BIN)/python bench/bench_prefix_lookup.py --json $(REPORTS)/prefix_lookup.json
 	$(BIN)/python bench/bench_processors.py --json $(REPORTS)/processors.json
 	$(BIN)/python bench/bench_serving.py --json $(REPORTS)/serving.json
+	$(BIN)/python bench/bench_roofline.py --json $(REPORTS)/roofline.json
 	$(BIN)/dsc compile $(GEMMA)/main.onnx $(GEMMA)/draft.onnx -o build/gemma3-8k.dsmodel \
 	    --max-seq-len 8192 --force
 	$(BIN)/python bench/kv_bytes.py --bundle build/gemma3-8k.dsmodel --tokens 8192 \

@@ -200,6 +200,15 @@ REPORTS = [
      "(--max-batch 16 --max-queue 32) beside llama-server with 16 slots on the same weights. "
      "ITL is each request's mean time per token after its first. `same as alone`: every "
      "greedy text under load equals the same prompt's at one client (docs/serving.md)."),
+    ("roofline.json", "One client against the memory ceiling",
+     "python bench/bench_roofline.py --json build/reports/roofline.json",
+     "A decode step streams every weight once, so no engine decodes faster than the "
+     "machine's read bandwidth over the bytes it reads per token (its ceiling). Bandwidth: "
+     "bench/read_bandwidth.c, every core reading its share of 1 GiB, best of 5; bytes: "
+     "dsrun's main as `dsrun bench --profile` counts them, llama.cpp's whole GGUF (SmolLM2's "
+     "head is its embedding table); decode: dsrun's main forward at 128 cached tokens plus "
+     "its engine's time per token, llama-server's predicted_per_token_ms (one slot, 64 "
+     "tokens after a ~100-token prompt); three interleaved rounds, medians."),
     ("big.json", "At 1B parameters: compile, verify, load, speculation",
      "python bench/bench_big.py --json build/reports/big.json --load-repeats 5",
      "samples/big_pair.py's random-init 1.2B Llama (TinyLlama-1.1B's shape, SmolLM2's "

@@ -84,6 +84,12 @@ def serving_table(report: dict) -> list[str]:
     return [report["setup"], "", *table(report)]
 
 
+def roofline_table(report: dict) -> list[str]:
+    from bench_roofline import table
+
+    return table(report)
+
+
 def processors_table(report: dict) -> list[str]:
     from bench_processors import table
 
@@ -113,7 +119,8 @@ TABLES = {"big.json": big_table, "peers_greedy.json": peers_table,
           "q4_bench_avx2.json": bench_table, "q4_bench_avx2_loaded.json": bench_table,
           "q8_bench.json": bench_table, "multi_turn.json": multi_turn_table,
           "prefix_lookup.json": prefix_lookup_table, "kv_bytes_gemma3.json": kv_bytes_table,
-          "processors.json": processors_table, "serving.json": serving_table}
+          "processors.json": processors_table, "serving.json": serving_table,
+          "roofline.json": roofline_table}
 
 
 def sections(page: str) -> dict[str, list[str]]:

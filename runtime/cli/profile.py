@@ -31,6 +31,7 @@ from dspark.runtime.model.fused import FusedModel
 from dspark.runtime.model.runner import ModelRunner
 
 SEQ = -100  # below the warm-up probes' ids; no request gets it
+GATHERS = ("Gather", "GatherBlockQuantized")  # input 1: the indices, all others by row
 WARM = 2  # profiled runs left out of the op shares (a fresh session's first runs allocate)
 
 
@@ -49,12 +50,14 @@ class Laps:
 
 def weight_bytes(runner: ModelRunner, bundle) -> int:
     """Initializer bytes over the model's segments that one forward reads whole: all but
-    the tables only a Gather reads (the embedding: a few rows per step)."""
+    the tables only a gather reads (the embedding, float or block-quantized: a few rows per
+    step; a tied head that shares the table reads it whole in its own segment)."""
     total = 0
     for seg in bundle.model(runner.role).segments:
         graph = onnx.load(str(bundle.path(seg.file)), load_external_data=False).graph
-        other = {name for n in graph.node if n.op_type != "Gather" for name in n.input}
-        gathered = {n.input[0] for n in graph.node if n.op_type == "Gather"} - other
+        gathers = [n for n in graph.node if n.op_type in GATHERS]
+        other = {name for n in graph.node if n.op_type not in GATHERS for name in n.input}
+        gathered = {name for n in gathers for i, name in enumerate(n.input) if i != 1} - other
         for t in graph.initializer:
             if t.name in gathered:
                 continue
