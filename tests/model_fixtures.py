@@ -123,6 +123,9 @@ GENAI = {"llama-fp32": ("llama", "fp32"), "llama-int4": ("llama", "int4"),
          "qwen2-fp32": ("qwen2", "fp32"), "gemma3-fp32": ("gemma3", "fp32"),
          "qwen3-fp32": ("qwen3", "fp32"), "phi3-fp32": ("phi3", "fp32"),
          "gemma2-fp32": ("gemma2", "fp32"), "granite-fp32": ("granite", "fp32")}
+# built beside GENAI (the same builder process) for the refusal test, not compiled: the
+# builder writes MultiHeadAttention, not GroupQueryAttention, for fp16 on the CPU
+REFUSED_GENAI = {"llama-fp16": ("llama", "fp16")}
 GENAI_BUILDER = Path(__file__).resolve().parents[1] / "samples" / "genai_builder.py"
 
 
@@ -160,27 +163,30 @@ def _genai_tokenizer(folder: Path) -> None:
 
 
 def build_genai_fixtures(root: Path) -> dict[str, Path]:
-    """{name: model folder} of GENAI, built once per recipe into root."""
+    """{name: model folder} of GENAI, built once per recipe into root (REFUSED_GENAI's
+    beside them, in the same folder)."""
     import json
     import subprocess
     import sys
 
     folder = root / f"fixtures-{recipe_hash()}" / "genai"
-    out = {name: folder / name for name in GENAI}
-    missing = [name for name in GENAI if not (out[name] / "genai_config.json").exists()]
+    recipes = {**GENAI, **REFUSED_GENAI}
+    out = {name: folder / name for name in recipes}
+    missing = [name for name in recipes if not (out[name] / "genai_config.json").exists()]
     for name in missing:
-        hf = folder / f"{GENAI[name][0]}-hf"
+        hf = folder / f"{recipes[name][0]}-hf"
         if not (hf / "config.json").exists():
-            _genai_model(GENAI[name][0]).save_pretrained(str(hf))
+            _genai_model(recipes[name][0]).save_pretrained(str(hf))
             _genai_tokenizer(hf)
     if missing:  # one process: torch's and the builder's imports paid once, not per model
-        builds = [["-i", folder / f"{GENAI[name][0]}-hf", "-o", out[name].with_suffix(".tmp"),
-                   "-p", GENAI[name][1], "-e", "cpu"] for name in missing]
+        builds = [["-i", folder / f"{recipes[name][0]}-hf", "-o",
+                   out[name].with_suffix(".tmp"), "-p", recipes[name][1], "-e", "cpu"]
+                  for name in missing]
         subprocess.run([sys.executable, GENAI_BUILDER, "--many", json.dumps(builds, default=str)],
                        check=True, capture_output=True)
     for name in missing:
         out[name].with_suffix(".tmp").rename(out[name])
-    return out
+    return {name: out[name] for name in GENAI}
 
 
 EMOJI = "🛒"
