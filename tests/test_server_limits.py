@@ -83,7 +83,8 @@ def test_api_key(tok_bundle):
 
 def test_queue_full_is_429(tok_bundle):
     """Event-driven: a blocking call holds the engine thread, so requests queue; past
-    --max-queue the next gets a 429 with Retry-After; once released, the queued complete."""
+    --max-queue waiting ones (the first of three takes the batch's free slot) the next gets a
+    429 with Retry-After; once released, the queued complete."""
     import time
 
     with LiveServer(tok_bundle, max_batch=1, max_queue=2, warmup=False) as live:
@@ -96,11 +97,11 @@ def test_queue_full_is_429(tok_bundle):
                                                  max_tokens=8, temperature=0)
             results.append(r.usage.completion_tokens)
 
-        threads = [threading.Thread(target=ask) for _ in range(2)]
+        threads = [threading.Thread(target=ask) for _ in range(3)]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 30
-        while service.commands.qsize() < 2 and time.monotonic() < deadline:
+        while service.commands.qsize() < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         r = httpx.post(f"{live.url}/v1/completions", timeout=30,
                        json={"model": MODEL, "prompt": "hello", "max_tokens": 2})
@@ -109,7 +110,38 @@ def test_queue_full_is_429(tok_bundle):
             t.join()
         assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
         assert r.json()["error"]["type"] == "rate_limit_error"
-        assert results == [8, 8]
+        assert results == [8, 8, 8]
+
+
+def test_a_request_a_freed_slot_takes_is_not_counted_as_waiting(tok_bundle):
+    """Between steps the last snapshot still counts, as waiting, the request that the slot a
+    finished one freed will take at the next step; the client that just finished and comes
+    straight back is not refused for it."""
+    import asyncio
+    from dataclasses import replace
+
+    from dspark.runtime.engine.loader import load_engine
+    from dspark.runtime.errors import QueueFullError
+    from dspark.runtime.sequence.request import GenerationRequest
+    from dspark.runtime.server.service import EngineService
+
+    engine, _ = load_engine(tok_bundle, max_batch=2, warmup=False, watch=False)
+    service = EngineService(engine, max_queue=2)  # its thread not started: nothing admits
+
+    async def submit(running: int, waiting: int) -> bool:
+        service.snapshot = replace(service.snapshot, running=running, waiting=waiting)
+        try:
+            service.submit(GenerationRequest((5, 6, 7), 2))
+        except QueueFullError:
+            return False
+        while not service.commands.empty():
+            service.commands.get_nowait()
+        return True
+
+    async def main() -> list[bool]:
+        return [await submit(2, 2), await submit(1, 2), await submit(1, 3), await submit(0, 3)]
+
+    assert asyncio.run(main()) == [False, True, False, True]
 
 
 def test_retry_after_follows_the_finish_rate():

@@ -111,7 +111,11 @@ class EngineService:
         """Queue a request (a list: its choices); 429 when the queue is full. `await
         handle.admitted` tells whether the engine took it (Engine.submit validates it: a
         RequestError otherwise)."""
-        waiting = self.commands.qsize() + self.snapshot.waiting
+        snap = self.snapshot  # as the last step left it: the request that a slot it freed
+        # takes at the next step still counts as waiting, and it waits for no one (a full KV
+        # arena can hold it back: then up to max_batch more than max_queue wait)
+        free = max(0, self.engine.scheduler.max_batch - snap.running)
+        waiting = max(0, self.commands.qsize() + snap.waiting - free)
         if waiting >= self.max_queue:
             raise QueueFullError(f"{waiting} requests are waiting (limit {self.max_queue})",
                                  retry_after(self.finished, waiting - self.max_queue + 1))
