@@ -7,6 +7,7 @@ Each client sends held-out chat prompts (samples/prompts/peer_prompts.jsonl) bac
 greedy, --max-tokens each, streaming, for --duration seconds; a 429 is waited out for its
 Retry-After, then the client goes on. Per system and client count: output tok/s, TTFT and
 ITL (each request's mean time per token after its first) at p50 and p99, requests, 429s,
+the clients that had a request served (under overload: whether the queue starves some),
 other errors, and the server's RSS (at start, at its peak during the setting). Systems:
 
     dsrun-fp32  dsrun-q4     the README sample and its int4 main (plain: each request with
@@ -78,7 +79,7 @@ async def run_clients(server: servers.Server, prompts: list[dict], clients: int,
                 p = rng.choice(prompts)
                 messages = [{"role": "user", "content": p["chat"]}]
                 reply = await stream_chat(client, server, messages, max_tokens, **extra)
-                replies.append({"prompt": p["name"], "status": reply.status,
+                replies.append({"client": i, "prompt": p["name"], "status": reply.status,
                                 "error": reply.error, "ttft": reply.ttft,
                                 "tokens": reply.completion_tokens, "text": reply.text,
                                 "itl": _itl(reply)})
@@ -111,6 +112,8 @@ def summarise(run: dict, alone: dict[str, str] | None) -> dict:
             "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p99_ms": percentile(ttft, 0.99),
             "itl_p50_ms": percentile(itl, 0.5), "itl_p99_ms": percentile(itl, 0.99),
             "rejected_429": sum(r["status"] == 429 for r in run["replies"]),
+            # overload's fairness: the clients that had at least one request served
+            "clients_served": len({r.get("client") for r in ok}),
             "errors_5xx": sum(500 <= r["status"] < 600 for r in run["replies"]),
             "other_errors": sum(r["error"] is not None and r["status"] != 429
                                 and not 500 <= r["status"] < 600 for r in run["replies"]),
@@ -138,14 +141,16 @@ def modes(name: str) -> list[tuple[str, dict]]:
 
 def table(report: dict) -> list[str]:
     lines = ["| system | clients | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | requests | "
-             "429s | 5xx | RSS start / peak MiB | same as alone |", "|---" * 10 + "|"]
+             "429s | clients served | 5xx | RSS start / peak MiB | same as alone |",
+             "|---" * 11 + "|"]
     for key, s in report["results"].items():
         name, clients = key.rsplit("@", 1)
         same = {True: "yes", False: "NO", None: "-"}[s["same"]]
         lines.append(
             f"| {name} | {clients} | {s['tokens_per_s']:.0f} | {s['ttft_p50_ms']:.0f} / "
             f"{s['ttft_p99_ms']:.0f} | {s['itl_p50_ms']:.1f} / {s['itl_p99_ms']:.1f} | "
-            f"{s['requests']} | {s['rejected_429']} | {s['errors_5xx']} | "
+            f"{s['requests']} | {s['rejected_429']} | {s.get('clients_served', '-')} | "
+            f"{s['errors_5xx']} | "
             f"{s['rss_start_mb']:.0f} / {s['rss_peak_mb']:.0f} | {same} |")
     return lines
 
