@@ -15,13 +15,14 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from dspark.runtime.server.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "samples"))  # its builders
 from load_test import run_clients  # noqa: E402
@@ -35,9 +36,7 @@ SYSTEMS = {
 
 
 def start(system: str, bundle: Path, max_batch: int) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dsrun = Path(sys.executable).parent / "dsrun"
     proc = subprocess.Popen([str(dsrun), *SYSTEMS[system], "--model", str(bundle), "--port",
                              str(port), "--max-batch", str(max_batch)],

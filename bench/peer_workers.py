@@ -17,12 +17,13 @@ prompt token in to the last new token out (prefill + decode).
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
 
 import peer_setup as setup
+
+from dspark.runtime.server.ports import free_port
 
 
 def emit_runs(run, prompts: list[dict], max_tokens: int, modes: tuple[str, ...] = ()) -> None:
@@ -104,15 +105,9 @@ LLAMA_MODES = {"plain": [],
                          "--spec-ngram-simple-size-m", "8"]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def llama_server(gguf: str, mode: str, threads: int) -> tuple[subprocess.Popen, str]:
     model = setup.GGUF[gguf] or setup.q41_gguf()
-    port = _free_port()
+    port = free_port()
     cmd = [setup.llama_bin() / "llama-server", "-m", model, "--port", str(port), "-t",
            str(threads), "-tb", str(threads), "-c", "4096", "--parallel", "1",
            *LLAMA_MODES[mode]]

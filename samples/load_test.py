@@ -15,13 +15,14 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from dspark.runtime.server.ports import free_port
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -95,9 +96,7 @@ def rss_mb(pid: int) -> float:
 
 
 def start_server(bundle: Path, max_batch: int) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dsrun = Path(sys.executable).parent / "dsrun"
     proc = subprocess.Popen([str(dsrun), "serve", "--model", str(bundle), "--port", str(port),
                              "--max-batch", str(max_batch)])

@@ -8,9 +8,8 @@ import time
 import httpx
 import uvicorn
 
+from dspark.runtime.server.ports import free_port
 from dspark.runtime.server.run import build_app
-
-from ports import free_port
 
 MODEL = "tok"  # the tok bundles' served name
 CHAT = [{"role": "user", "content": "hello world w5 w9"}]

@@ -24,8 +24,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dspark.runtime.server.ports import free_port
+
 from cli_helpers import run_dsrun
-from ports import free_port
 
 START_TIMEOUT_S = 120
 

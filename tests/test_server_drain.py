@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from ports import free_port
+from dspark.runtime.server.ports import free_port
 
 
 def test_sigterm_finishes_requests_in_flight_and_refuses_new_ones(json_bundle):

@@ -1,10 +1,11 @@
-"""Ports for servers the tests start, picked where nothing else will take them first.
+"""A port for a local server that a script starts (the tests, the benchmarks, the load-test
+sample), picked where nothing else will take it first.
 
 A port the kernel hands out for port 0 comes from its ephemeral range, and so do the ports
 Ray's own processes bind while a cluster starts (and Ray's fixed defaults, such as its
-dashboard agent's 52365, lie there too): a test that picks one, closes it and passes it on can
-lose it to Ray before its server binds. These ports come from below the ephemeral range and
-above Ray's worker ports (10002-19999)."""
+dashboard agent's 52365, lie there too): a script that picks one, closes it and passes it on
+can lose it to Ray, or to any outgoing connection, before its server binds. These ports come
+from below the ephemeral range and above Ray's worker ports (10002-19999)."""
 
 from __future__ import annotations
 
