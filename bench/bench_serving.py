@@ -5,10 +5,11 @@ same weights, in one interleaved run.
 
 Each client sends held-out chat prompts (samples/prompts/peer_prompts.jsonl) back to back,
 greedy, --max-tokens each, streaming, for --duration seconds; a 429 is waited out for its
-Retry-After, then the client goes on. Per system and client count: output tok/s, TTFT and
-ITL (each request's mean time per token after its first) at p50 and p99, requests, 429s,
-the clients that had a request served (under overload: whether the queue starves some),
-other errors, and the server's RSS (at start, at its peak during the setting). Systems:
+Retry-After (at most until the setting ends), then the client goes on. Per system and client
+count: output tok/s, TTFT and ITL (each request's mean time per token after its first) at
+p50 and p99, requests, 429s, the clients that had a request served (under overload: whether
+the queue starves some), other errors, and the server's RSS (at start, at its peak during the
+setting). Systems:
 
     dsrun-fp32  dsrun-q4     the README sample and its int4 main (plain: each request with
                              speculative_decoding false; default: speculation on), one
@@ -83,8 +84,10 @@ async def run_clients(server: servers.Server, prompts: list[dict], clients: int,
                                 "error": reply.error, "ttft": reply.ttft,
                                 "tokens": reply.completion_tokens, "text": reply.text,
                                 "itl": _itl(reply)})
-                if reply.status == 429:
-                    await asyncio.sleep(float(reply.retry_after or 1))
+                if reply.status == 429:  # waited out, but not past the setting's end: a
+                    # sleep beyond it would count as seconds that served nothing
+                    await asyncio.sleep(min(float(reply.retry_after or 1),
+                                            max(0.0, end - time.perf_counter())))
 
         async def watch() -> None:
             while time.perf_counter() < end:

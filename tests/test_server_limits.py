@@ -144,6 +144,27 @@ def test_a_request_a_freed_slot_takes_is_not_counted_as_waiting(tok_bundle):
     assert asyncio.run(main()) == [False, True, False, True]
 
 
+def test_the_finish_rate_leaves_out_idle_spells(tok_bundle):
+    """Requests' ends are kept on the engine's busy clock: a second without requests between
+    two of them does not lower the rate a burst's Retry-After is priced at."""
+    import time
+
+    from dspark.runtime.server.service import retry_after
+
+    with LiveServer(tok_bundle, warmup=False) as live:
+        def ask() -> None:
+            live.client().completions.create(model=MODEL, prompt="hello world", max_tokens=8,
+                                             temperature=0)
+        ask()
+        ask()
+        time.sleep(1.5)
+        ask()
+        ends = list(live.state.service.finished)
+    assert len(ends) == 3 and ends[0] < ends[1] < ends[2]
+    assert ends[2] - ends[1] < 1.0  # one short request's steps, not the idle 1.5 s
+    assert retry_after(ends, 2) == 1
+
+
 def test_retry_after_follows_the_finish_rate():
     from dspark.runtime.server.service import retry_after
 

@@ -77,7 +77,10 @@ class EngineService:
         self.ready = threading.Event()
         self.stopping = threading.Event()
         self.snapshot = engine.gauges()  # replaced whole by the engine thread
-        self.finished: deque[float] = deque(maxlen=FINISHED_WINDOW)  # when requests ended
+        # when requests ended, on a clock that runs only while the engine steps: the rate a
+        # 429's Retry-After divides by is the busy engine's, an idle spell left out
+        self.busy_s = 0.0
+        self.finished: deque[float] = deque(maxlen=FINISHED_WINDOW)
         self.thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
 
     # -- called from the event loop ---------------------------------------------------
@@ -155,6 +158,7 @@ class EngineService:
                 self._fail_all(e)
                 continue
             self.snapshot = self.engine.gauges()
+            self.busy_s += time.perf_counter() - t0
             self._notify(report.advanced)
             if self.on_step is not None:
                 self.on_step(report, self.snapshot, time.perf_counter() - t0)
@@ -213,7 +217,7 @@ class EngineService:
                 handle.post(("tokens", choice, handle.sent[choice], seq.finish_reason))
             if seq.done:
                 self.handles.pop(seq.id, None)
-                self.finished.append(time.perf_counter())
+                self.finished.append(self.busy_s)
 
     def _fail_all(self, error: Exception) -> None:
         failed = {id(h): h for h, _ in self.handles.values()}
@@ -243,7 +247,10 @@ def _settle(future: asyncio.Future, result, error) -> None:
 
 def retry_after(finished: deque[float] | list[float], places: int) -> int:
     """A 429's Retry-After: seconds until `places` queue places free up at the rate requests
-    have been finishing (`finished`: their end times, oldest first); 1 before two have."""
+    have been finishing (`finished`: their end times on the engine's busy clock, oldest
+    first: requests that finished before an idle spell do not stretch the span the rate is
+    measured over, as wall time would when a burst arrives at an idle server); 1 before
+    two have."""
     if len(finished) < 2 or finished[-1] <= finished[0]:
         return 1
     rate = (len(finished) - 1) / (finished[-1] - finished[0])
