@@ -4,12 +4,15 @@ same weights, in one interleaved run.
     python bench/bench_serving.py --json build/reports/serving.json
 
 Each client sends held-out chat prompts (samples/prompts/peer_prompts.jsonl) back to back,
-greedy, --max-tokens each, streaming, for --duration seconds; a 429 is waited out for its
+greedy, --max-tokens each, streaming, for --duration seconds, with `cache_prompt: false`:
+the 12 prompts stand for distinct users' prompts, so no server reuses one it has seen. (With
+the caches on, whichever row ran first on a server paid its cold prompts, and they set that
+row's TTFT p99; --cache-prompts keeps both servers' caches.) A 429 is waited out for its
 Retry-After (at most until the setting ends), then the client goes on. Per system and client
-count: output tok/s, TTFT and ITL (each request's mean time per token after its first) at
-p50 and p99, requests, 429s, the clients that had a request served (under overload: whether
-the queue starves some), other errors, and the server's RSS (at start, at its peak during the
-setting). Systems:
+count: output tok/s (and each round's), TTFT and ITL (each request's mean time per token
+after its first) at p50 and p99, requests, 429s, the clients that had a request served
+(under overload: whether the queue starves some), other errors, and the server's RSS (at
+start, at its peak during the setting). Systems:
 
     dsrun-fp32  dsrun-q4     the README sample and its int4 main (plain: each request with
                              speculative_decoding false; default: speculation on), one
@@ -69,6 +72,8 @@ def start(name: str, logs: Path) -> servers.Server:
 
 async def run_clients(server: servers.Server, prompts: list[dict], clients: int,
                       duration: float, max_tokens: int, extra: dict) -> dict:
+    """`clients` streaming clients for `duration` seconds; `extra`: fields every request
+    adds (a mode, cache_prompt)."""
     end = time.perf_counter() + duration
     replies: list[dict] = []
     rss = [server.rss_mb()]
@@ -120,19 +125,23 @@ def summarise(run: dict, alone: dict[str, str] | None) -> dict:
             "errors_5xx": sum(500 <= r["status"] < 600 for r in run["replies"]),
             "other_errors": sum(r["error"] is not None and r["status"] != 429
                                 and not 500 <= r["status"] < 600 for r in run["replies"]),
-            "rss_start_mb": run["rss_start"], "rss_peak_mb": run["rss_peak"], "same": same}
+            "rss_start_mb": run["rss_start"], "rss_peak_mb": run["rss_peak"], "same": same,
+            "round_tokens_per_s": [round(r, 1) for r in run.get("round_rates", [])]}
 
 
 def merge(runs: dict[str, dict], key: str, run: dict) -> None:
     """Add a round's run to the setting's runs so far (replies pooled, seconds summed, RSS
-    from the first round's start to the highest peak)."""
+    from the first round's start to the highest peak, each round's tok/s kept: how far
+    the rounds of one row spread is the noise a ratio between rows carries)."""
+    rate = sum(r["tokens"] for r in run["replies"] if r["error"] is None) / run["seconds"]
     if key not in runs:
-        runs[key] = run
+        runs[key] = {**run, "round_rates": [rate]}
         return
     old = runs[key]
     runs[key] = {"replies": old["replies"] + run["replies"],
                  "seconds": old["seconds"] + run["seconds"], "rss_start": old["rss_start"],
-                 "rss_peak": max(old["rss_peak"], run["rss_peak"])}
+                 "rss_peak": max(old["rss_peak"], run["rss_peak"]),
+                 "round_rates": old["round_rates"] + [rate]}
 
 
 def modes(name: str) -> list[tuple[str, dict]]:
@@ -143,14 +152,15 @@ def modes(name: str) -> list[tuple[str, dict]]:
 
 
 def table(report: dict) -> list[str]:
-    lines = ["| system | clients | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | requests | "
-             "429s | clients served | 5xx | RSS start / peak MiB | same as alone |",
+    lines = ["| system | clients | tok/s (each round) | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+             "requests | 429s | clients served | 5xx | RSS start / peak MiB | same as alone |",
              "|---" * 11 + "|"]
     for key, s in report["results"].items():
         name, clients = key.rsplit("@", 1)
         same = {True: "yes", False: "NO", None: "-"}[s["same"]]
+        rounds = ", ".join(f"{r:.0f}" for r in s.get("round_tokens_per_s", []))
         lines.append(
-            f"| {name} | {clients} | {s['tokens_per_s']:.0f} | {s['ttft_p50_ms']:.0f} / "
+            f"| {name} | {clients} | {s['tokens_per_s']:.0f} ({rounds}) | {s['ttft_p50_ms']:.0f} / "
             f"{s['ttft_p99_ms']:.0f} | {s['itl_p50_ms']:.1f} / {s['itl_p99_ms']:.1f} | "
             f"{s['requests']} | {s['rejected_429']} | {s.get('clients_served', '-')} | "
             f"{s['errors_5xx']} | "
@@ -169,6 +179,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="each setting's duration split into "
                    "this many rounds, the systems interleaved round by round")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--cache-prompts", action="store_true", help="let the servers reuse the "
+                   "prompts they cached (default: every request pays its whole prompt)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     measured = revision()
@@ -179,6 +191,7 @@ def main() -> None:
     running = {n: start(n, logs) for n in args.systems}
     rows = [(row, n, extra) for n in args.systems for row, extra in modes(n)]
     runs: dict[str, dict] = {}
+    caching = {} if args.cache_prompts else {"cache_prompt": False}  # both servers' field
     try:
         for i, clients in enumerate(counts):
             for r in range(args.rounds):
@@ -187,7 +200,7 @@ def main() -> None:
                     log(f"{clients} clients, round {r + 1}/{args.rounds}: {row}")
                     merge(runs, f"{row}@{clients}", asyncio.run(run_clients(
                         running[name], prompts, clients, args.duration / args.rounds,
-                        args.max_tokens, extra)))
+                        args.max_tokens, {**extra, **caching})))
     finally:
         for server in running.values():
             server.stop()
@@ -196,7 +209,9 @@ def main() -> None:
     report = {"cpu": cpu_line(args.systems), "revision": measured,
               "setup": (f"SmolLM2-135M-Instruct; {args.duration:.0f} s per setting in "
                         f"{args.rounds} interleaved rounds, "
-                        f"{args.max_tokens} tokens a request, greedy; dsrun --max-batch "
+                        f"{args.max_tokens} tokens a request, greedy, "
+                        f"{'prompts cached' if args.cache_prompts else 'no prompt cached'}; "
+                        f"dsrun --max-batch "
                         f"{SLOTS} --max-queue {QUEUE}; llama-server -np {SLOTS}"
                         + "".join(f"; {n} crashed loading with its repacked path and ran "
                                   "with --no-repack" for n in sorted(NO_REPACK))),
