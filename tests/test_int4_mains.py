@@ -172,3 +172,30 @@ def test_projections_are_packed_at_compile_time_not_at_load(low_bit, monkeypatch
     handed, _ = model.session.dspark_initializers
     assert set(handed) == {t.name for t in groups}
     assert all(a.flags.c_contiguous and a.dtype == np.uint8 for a in handed.values())
+
+
+def test_the_profile_counts_the_weights_the_running_graph_reads(low_bit, monkeypatch):
+    """`dsrun bench --profile`'s bytes per forward are those of the graph that runs: with
+    MatMulInt4, its packed groups in place of the MatMulNBits weights (the segments' count
+    put the MatMulNBits layout there: an int4 SmolLM2 read 127.3 MB, not its 97.1), and
+    without it the MatMulNBits weights; every other initializer the same either way."""
+    from dspark.runtime.cli.profile import weight_bytes
+    from dspark.runtime.model.fused import packed_groups
+
+    bundle_path, _ = low_bit["zp4"]
+    bundle = open_bundle(bundle_path)
+    packed = Engine(bundle).main
+    assert packed.model.int4_projections > 0
+    groups = sum(a.nbytes for a in packed_groups(bundle, "main").values())
+    monkeypatch.setenv("DSPARK_CPU_INT4", "0")
+    nbits = Engine(bundle).main
+    assert nbits.model.int4_projections == 0
+    graph = onnx.load(str(bundle.path(bundle.model("main").graph_file)),
+                      load_external_data=False).graph
+    sizes = {t.name: int({e.key: e.value for e in t.external_data}.get("length",
+                                                                       len(t.raw_data)))
+             for t in graph.initializer}
+    projections = sum(sizes[name] for n in graph.node if n.op_type == "MatMulNBits"
+                      for name in set(n.input[1:]) if name in sizes)
+    assert groups != projections  # two layouts: the test tells the counts apart
+    assert weight_bytes(packed, bundle) == weight_bytes(nbits, bundle) - projections + groups

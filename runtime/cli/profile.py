@@ -49,20 +49,32 @@ class Laps:
 
 
 def weight_bytes(runner: ModelRunner, bundle) -> int:
-    """Initializer bytes over the model's segments that one forward reads whole: all but
-    the tables only a gather reads (the embedding, float or block-quantized: a few rows per
-    step; a tied head that shares the table reads it whole in its own segment)."""
+    """Initializer bytes that one forward of the runner's graph reads whole: all but the
+    tables only a gather reads (the embedding, float or block-quantized: a few rows per
+    step; a tied head that shares the table reads it whole). The graph is the one the
+    runner runs: a fused model's own file (with its projections run as MatMulInt4, the
+    packed groups, not the MatMulNBits weights beside them, which its embedding's gather
+    alone reads there), else the segments."""
+    spec, model = bundle.model(runner.role), runner.model
+    if isinstance(model, FusedModel):
+        files = [spec.int4_graph_file if model.int4_projections else spec.graph_file]
+    else:
+        files = [seg.file for seg in spec.segments]
+    return sum(_read_whole(onnx.load(str(bundle.path(f)), load_external_data=False).graph)
+               for f in files)
+
+
+def _read_whole(graph) -> int:
+    """The initializer bytes of one graph that its nodes read whole (see weight_bytes)."""
+    gathers = [n for n in graph.node if n.op_type in GATHERS]
+    other = {name for n in graph.node if n.op_type not in GATHERS for name in n.input}
+    gathered = {name for n in gathers for i, name in enumerate(n.input) if i != 1} - other
     total = 0
-    for seg in bundle.model(runner.role).segments:
-        graph = onnx.load(str(bundle.path(seg.file)), load_external_data=False).graph
-        gathers = [n for n in graph.node if n.op_type in GATHERS]
-        other = {name for n in graph.node if n.op_type not in GATHERS for name in n.input}
-        gathered = {name for n in gathers for i, name in enumerate(n.input) if i != 1} - other
-        for t in graph.initializer:
-            if t.name in gathered:
-                continue
-            ext = {e.key: e.value for e in t.external_data}
-            total += int(ext["length"]) if "length" in ext else len(t.raw_data)
+    for t in graph.initializer:
+        if t.name in gathered:
+            continue
+        ext = {e.key: e.value for e in t.external_data}
+        total += int(ext["length"]) if "length" in ext else len(t.raw_data)
     return total
 
 
