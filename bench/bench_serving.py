@@ -175,8 +175,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS))
     p.add_argument("--clients", default="1,4,16,64")
-    p.add_argument("--duration", type=float, default=40)
-    p.add_argument("--rounds", type=int, default=2, help="each setting's duration split into "
+    p.add_argument("--duration", type=float, default=60)
+    p.add_argument("--rounds", type=int, default=3, help="each setting's duration split into "
                    "this many rounds, the systems interleaved round by round")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--cache-prompts", action="store_true", help="let the servers reuse the "

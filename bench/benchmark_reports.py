@@ -196,7 +196,9 @@ REPORTS = [
     ("serving.json", "Serving under load: 1 to 64 streaming clients",
      "python bench/bench_serving.py --json build/reports/serving.json",
      "N streaming clients sending the held-out chat prompts back to back (128 tokens, "
-     "greedy) for 40 s per setting, in two interleaved rounds; dsrun plain and default "
+     "greedy, `cache_prompt: false`: every request pays its whole prompt, as distinct "
+     "users' prompts would) for 60 s per setting, in three interleaved rounds (each round's "
+     "tok/s in brackets: their spread is the noise a ratio carries); dsrun plain and default "
      "(--max-batch 16 --max-queue 32) beside llama-server with 16 slots on the same weights. "
      "ITL is each request's mean time per token after its first. `same as alone`: every "
      "greedy text under load equals the same prompt's at one client (docs/serving.md)."),
