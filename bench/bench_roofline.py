@@ -99,7 +99,8 @@ class Llama:
     def __init__(self, name: str, gguf: Path, logs: Path):
         self.name = name
         self.bytes = gguf_bytes(gguf)
-        self.server = servers.llama(name, gguf, 1, 1024, log=logs / f"roofline-{name}.log")
+        self.server = servers.llama_started(name, gguf, 1, 1024,
+                                            log=logs / f"roofline-{name}.log")
         prompts = [json.loads(line) for line in (ROOT / "samples" / "prompts" /
                    "peer_prompts.jsonl").read_text().splitlines() if line.strip()]
         self.prompt = " ".join(p["chat"] for p in prompts[:3])
@@ -165,7 +166,8 @@ def main() -> None:
         for s in systems:
             s.stop()
     bw = statistics.median(bandwidth)
-    report = {"cpu": cpu_line(args.systems), "revision": measured, "threads": threads,
+    report = {"cpu": cpu_line(args.systems) + servers.no_repack_note(), "revision": measured,
+              "threads": threads,
               "read_gb_per_s": bw, "read_gb_per_s_rounds": bandwidth,
               "read_gb_per_s_one_thread": one_thread, "systems": {}}
     for s in systems:

@@ -44,7 +44,6 @@ DSRUN = {"dsrun-fp32": ROOT / "build" / "smollm2.dsmodel",
          "dsrun-q4": ROOT / "build" / "smollm2-q4.dsmodel"}
 SYSTEMS = ("dsrun-fp32", "dsrun-q4", "llama-f32", "llama-q4_1")
 SLOTS, QUEUE = 16, 32
-NO_REPACK: set[str] = set()  # llama-server systems that needed --no-repack to start
 
 
 def log(msg: str) -> None:
@@ -62,12 +61,7 @@ def start(name: str, logs: Path) -> servers.Server:
         return servers.dsrun(name, DSRUN[name], "--max-batch", str(SLOTS), "--max-queue",
                              str(QUEUE), log=logs / f"{name}.log")
     gguf = setup.GGUF["f32"] if name == "llama-f32" else setup.q41_gguf()
-    try:
-        return servers.llama(name, gguf, SLOTS, 1024, log=logs / f"{name}.log")
-    except SystemExit as e:  # its repacked Q4_1 path crashes loading on some CPUs
-        log(f"{name}: {e}; again with --no-repack")
-        NO_REPACK.add(name)
-        return servers.llama(name, gguf, SLOTS, 1024, "--no-repack", log=logs / f"{name}.log")
+    return servers.llama_started(name, gguf, SLOTS, 1024, log=logs / f"{name}.log")
 
 
 async def run_clients(server: servers.Server, prompts: list[dict], clients: int,
@@ -213,8 +207,7 @@ def main() -> None:
                         f"{'prompts cached' if args.cache_prompts else 'no prompt cached'}; "
                         f"dsrun --max-batch "
                         f"{SLOTS} --max-queue {QUEUE}; llama-server -np {SLOTS}"
-                        + "".join(f"; {n} crashed loading with its repacked path and ran "
-                                  "with --no-repack" for n in sorted(NO_REPACK))),
+                        + servers.no_repack_note()),
               "results": {f"{row}@{c}": summarise(runs[f"{row}@{c}"], alone.get(row))
                           for c in counts for row, _, _ in rows}}
     print("\n".join([report["cpu"], report["setup"], "", *table(report)]))

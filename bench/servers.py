@@ -3,6 +3,8 @@
     dsrun(bundle, *flags)            dsrun serve on a free port
     llama(gguf, slots, ctx, *flags)  llama.cpp's llama-server (bench/peer_setup.py builds
                                      it), threads = the core count, `slots` parallel slots
+    llama_started(gguf, slots, ctx)  the same, again with --no-repack where its repacked
+                                     Q4_1 path crashes loading (NO_REPACK names them)
     stream_chat(client, url, ...)    one streamed chat request: TTFT, token times, usage
 Both servers speak OpenAI's chat API; llama-server's final chunk also carries `timings`
 (its prompt tokens computed and taken from its cache).
@@ -87,6 +89,27 @@ def llama(name: str, gguf: Path, slots: int, ctx: int, *flags: str,
     out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - the server's life
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     return wait_ready(Server(name, proc, f"http://127.0.0.1:{port}"))
+
+
+NO_REPACK: set[str] = set()  # llama-server systems that needed --no-repack to start
+
+
+def llama_started(name: str, gguf: Path, slots: int, ctx: int,
+                  log: Path | None = None) -> Server:
+    """llama-server, started again with --no-repack where its repacked Q4_1 path crashes
+    loading (a segfault on some AVX-512 Xeons); a report names NO_REPACK's systems."""
+    try:
+        return llama(name, gguf, slots, ctx, log=log)
+    except SystemExit as e:
+        print(f"{name}: {e}; again with --no-repack", file=sys.stderr, flush=True)
+        NO_REPACK.add(name)
+        return llama(name, gguf, slots, ctx, "--no-repack", log=log)
+
+
+def no_repack_note() -> str:
+    """The report's words for the systems that ran with --no-repack ("" if none)."""
+    return "".join(f"; {n} crashed loading with its repacked path and ran with --no-repack"
+                   for n in sorted(NO_REPACK))
 
 
 @dataclass
