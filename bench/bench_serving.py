@@ -7,12 +7,15 @@ Each client sends held-out chat prompts (samples/prompts/peer_prompts.jsonl) bac
 greedy, --max-tokens each, streaming, for --duration seconds, with `cache_prompt: false`:
 the 12 prompts stand for distinct users' prompts, so no server reuses one it has seen. (With
 the caches on, whichever row ran first on a server paid its cold prompts, and they set that
-row's TTFT p99; --cache-prompts keeps both servers' caches.) A 429 is waited out for its
-Retry-After (at most until the setting ends), then the client goes on. Per system and client
+row's TTFT p99; --cache-prompts keeps both servers' caches.) A 429 is retried as the OpenAI
+SDK retries it: the same request after retry-after-ms (else Retry-After), its
+x-stainless-retry-count header counting the retries, at most twice; a third 429 fails the
+call and the client goes on (no wait runs past the setting's end). Per system and client
 count: output tok/s (and each round's), TTFT and ITL (each request's mean time per token
-after its first) at p50 and p99, requests, 429s, the clients that had a request served
-(under overload: whether the queue starves some), other errors, and the server's RSS (at
-start, at its peak during the setting). Systems:
+after its first) at p50 and p99, requests, 429s and the calls they failed, a call's TTFT
+p99 from its first attempt (its 429s' waits included), the clients that had a request served
+and the fewest any client had (under overload: whether the queue starves some), other
+errors, and the server's RSS (at start, at its peak during the setting). Systems:
 
     dsrun-fp32  dsrun-q4     the README sample and its int4 main (plain: each request with
                              speculative_decoding false; default: speculation on), one
@@ -33,6 +36,7 @@ import json
 import random
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -44,6 +48,7 @@ DSRUN = {"dsrun-fp32": ROOT / "build" / "smollm2.dsmodel",
          "dsrun-q4": ROOT / "build" / "smollm2-q4.dsmodel"}
 SYSTEMS = ("dsrun-fp32", "dsrun-q4", "llama-f32", "llama-q4_1")
 SLOTS, QUEUE = 16, 32
+SDK_RETRIES = 2  # the OpenAI SDK's default max_retries
 
 
 def log(msg: str) -> None:
@@ -78,15 +83,26 @@ async def run_clients(server: servers.Server, prompts: list[dict], clients: int,
             while time.perf_counter() < end:
                 p = rng.choice(prompts)
                 messages = [{"role": "user", "content": p["chat"]}]
-                reply = await stream_chat(client, server, messages, max_tokens, **extra)
-                replies.append({"client": i, "prompt": p["name"], "status": reply.status,
-                                "error": reply.error, "ttft": reply.ttft,
-                                "tokens": reply.completion_tokens, "text": reply.text,
-                                "itl": _itl(reply)})
-                if reply.status == 429:  # waited out, but not past the setting's end: a
-                    # sleep beyond it would count as seconds that served nothing
-                    await asyncio.sleep(min(float(reply.retry_after or 1),
-                                            max(0.0, end - time.perf_counter())))
+                called = time.perf_counter()
+                for attempt in range(SDK_RETRIES + 1):  # a call, as the OpenAI SDK makes it
+                    sent = time.perf_counter()
+                    reply = await stream_chat(
+                        client, server, messages, max_tokens,
+                        headers={"x-stainless-retry-count": str(attempt)}, **extra)
+                    replies.append({
+                        "client": i, "prompt": p["name"], "status": reply.status,
+                        "error": reply.error, "ttft": reply.ttft, "attempt": attempt,
+                        "sent": sent - called, "retry_after": reply.retry_after,
+                        "call_ttft": None if reply.ttft is None
+                        else reply.ttft + sent - called,
+                        "tokens": reply.completion_tokens, "text": reply.text,
+                        "itl": _itl(reply)})
+                    left = end - time.perf_counter()
+                    if reply.status != 429 or attempt == SDK_RETRIES or left <= 0:
+                        break
+                    # waited out, but not past the setting's end: a sleep beyond it would
+                    # count as seconds that served nothing
+                    await asyncio.sleep(min(reply.retry_after or 1.0, left))
 
         async def watch() -> None:
             while time.perf_counter() < end:
@@ -104,18 +120,26 @@ def _itl(reply) -> float | None:
     return (reply.times[-1] - reply.times[0]) / (reply.completion_tokens - 1)
 
 
-def summarise(run: dict, alone: dict[str, str] | None) -> dict:
+def summarise(run: dict, clients: int, alone: dict[str, str] | None) -> dict:
     ok = [r for r in run["replies"] if r["error"] is None]
     ttft = [1000 * r["ttft"] for r in ok if r["ttft"] is not None]
     itl = [1000 * r["itl"] for r in ok if r["itl"] is not None]
     same = None if alone is None else all(
         r["text"] == alone[r["prompt"]] for r in ok if r["prompt"] in alone)
+    call_ttft = [1000 * r["call_ttft"] for r in ok if r.get("call_ttft") is not None]
+    served = Counter(r.get("client") for r in ok)
     return {"requests": len(ok), "tokens_per_s": sum(r["tokens"] for r in ok) / run["seconds"],
             "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p99_ms": percentile(ttft, 0.99),
+            # from a call's first attempt: its 429s' waits included
+            "call_ttft_p99_ms": percentile(call_ttft, 0.99),
             "itl_p50_ms": percentile(itl, 0.5), "itl_p99_ms": percentile(itl, 0.99),
             "rejected_429": sum(r["status"] == 429 for r in run["replies"]),
             # overload's fairness: the clients that had at least one request served
-            "clients_served": len({r.get("client") for r in ok}),
+            "clients_served": len(served),
+            "fewest_served": min(served.get(i, 0) for i in range(clients)),
+            # calls that still had a 429 after the SDK's retries
+            "calls_refused": sum(r["status"] == 429 and r.get("attempt") == SDK_RETRIES
+                                 for r in run["replies"]),
             "errors_5xx": sum(500 <= r["status"] < 600 for r in run["replies"]),
             "other_errors": sum(r["error"] is not None and r["status"] != 429
                                 and not 500 <= r["status"] < 600 for r in run["replies"]),
@@ -147,8 +171,8 @@ def modes(name: str) -> list[tuple[str, dict]]:
 
 def table(report: dict) -> list[str]:
     lines = ["| system | clients | tok/s (each round) | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-             "requests | 429s | clients served | 5xx | RSS start / peak MiB | same as alone |",
-             "|---" * 11 + "|"]
+             "requests | 429s (calls refused) | call TTFT p99 ms | clients served (fewest "
+             "requests) | 5xx | RSS start / peak MiB | same as alone |", "|---" * 12 + "|"]
     for key, s in report["results"].items():
         name, clients = key.rsplit("@", 1)
         same = {True: "yes", False: "NO", None: "-"}[s["same"]]
@@ -156,7 +180,9 @@ def table(report: dict) -> list[str]:
         lines.append(
             f"| {name} | {clients} | {s['tokens_per_s']:.0f} ({rounds}) | {s['ttft_p50_ms']:.0f} / "
             f"{s['ttft_p99_ms']:.0f} | {s['itl_p50_ms']:.1f} / {s['itl_p99_ms']:.1f} | "
-            f"{s['requests']} | {s['rejected_429']} | {s.get('clients_served', '-')} | "
+            f"{s['requests']} | {s['rejected_429']} ({s.get('calls_refused', '-')}) | "
+            f"{s.get('call_ttft_p99_ms', float('nan')):.0f} | "
+            f"{s.get('clients_served', '-')} ({s.get('fewest_served', '-')}) | "
             f"{s['errors_5xx']} | "
             f"{s['rss_start_mb']:.0f} / {s['rss_peak_mb']:.0f} | {same} |")
     return lines
@@ -208,7 +234,7 @@ def main() -> None:
                         f"dsrun --max-batch "
                         f"{SLOTS} --max-queue {QUEUE}; llama-server -np {SLOTS}"
                         + servers.no_repack_note()),
-              "results": {f"{row}@{c}": summarise(runs[f"{row}@{c}"], alone.get(row))
+              "results": {f"{row}@{c}": summarise(runs[f"{row}@{c}"], c, alone.get(row))
                           for c in counts for row, _, _ in rows}}
     print("\n".join([report["cpu"], report["setup"], "", *table(report)]))
     if args.json:

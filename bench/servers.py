@@ -122,25 +122,35 @@ class Reply:
     completion_tokens: int = 0
     error: str | None = None
     status: int = 200
-    retry_after: str | None = None
+    retry_after: float | None = None  # a 429's wait in seconds (retry-after-ms first)
     retried: bool = False  # sent again on a new connection (see stream_chat)
 
 
 async def stream_chat(client: httpx.AsyncClient, server: Server, messages: list[dict],
-                      max_tokens: int, **extra) -> Reply:
+                      max_tokens: int, headers: dict | None = None, **extra) -> Reply:
     """One streamed chat request, greedy; what the client saw of it. A connection the
     server had already closed (its keep-alive ran out: llama-server's after 5 s) fails
     before the request is sent, and is retried once on a new connection (`retried`)."""
     try:
-        return await _stream_chat(client, server, messages, max_tokens, **extra)
+        return await _stream_chat(client, server, messages, max_tokens, headers, **extra)
     except (httpx.RemoteProtocolError, httpx.ConnectError):
-        reply = await _stream_chat(client, server, messages, max_tokens, **extra)
+        reply = await _stream_chat(client, server, messages, max_tokens, headers, **extra)
         reply.retried = True
         return reply
 
 
+def retry_wait(headers: httpx.Headers) -> float | None:
+    """A refusal's wait as the OpenAI SDK reads it: retry-after-ms, then Retry-After."""
+    for name, divisor in (("retry-after-ms", 1000), ("retry-after", 1)):
+        try:
+            return float(headers[name]) / divisor
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
 async def _stream_chat(client: httpx.AsyncClient, server: Server, messages: list[dict],
-                       max_tokens: int, **extra) -> Reply:
+                       max_tokens: int, headers: dict | None, **extra) -> Reply:
     body = {"model": server.model, "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
             **extra}
@@ -148,11 +158,11 @@ async def _stream_chat(client: httpx.AsyncClient, server: Server, messages: list
     started = False
     try:
         async with client.stream("POST", f"{server.url}/v1/chat/completions",
-                                 json=body) as r:
+                                 json=body, headers=headers) as r:
             if r.status_code != 200:
                 await r.aread()
                 return Reply(error=f"HTTP {r.status_code}", status=r.status_code,
-                             retry_after=r.headers.get("retry-after"))
+                             retry_after=retry_wait(r.headers))
             async for line in r.aiter_lines():
                 started = True
                 if not line.startswith("data: ") or line == "data: [DONE]":

@@ -28,7 +28,7 @@ class ConflictError(DSparkError):
 class QueueFullError(DSparkError):
     """Too many requests are waiting; try again in `retry_after` seconds."""
 
-    def __init__(self, message: str, retry_after: int = 1):
+    def __init__(self, message: str, retry_after: float = 1.0):
         super().__init__(message)
         self.retry_after = retry_after
 

@@ -109,6 +109,7 @@ def test_queue_full_is_429(tok_bundle):
         for t in threads:
             t.join()
         assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+        assert r.headers["retry-after-ms"] == "1000"  # no finish rate yet: a second
         assert r.json()["error"]["type"] == "rate_limit_error"
         assert results == [8, 8, 8]
 
@@ -162,17 +163,18 @@ def test_the_finish_rate_leaves_out_idle_spells(tok_bundle):
         ends = list(live.state.service.finished)
     assert len(ends) == 3 and ends[0] < ends[1] < ends[2]
     assert ends[2] - ends[1] < 1.0  # one short request's steps, not the idle 1.5 s
-    assert retry_after(ends, 2) == 1
+    assert retry_after(ends, 2) < 1.0  # two places at the busy rate: not a second
 
 
 def test_retry_after_follows_the_finish_rate():
     from dspark.runtime.server.service import retry_after
 
-    assert retry_after([], 5) == 1 and retry_after([3.0], 5) == 1  # no rate yet
+    assert retry_after([], 1) == 1 and retry_after([3.0], 5) == 5  # no rate yet: 1/s
     every_half_second = [0.5 * i for i in range(9)]  # 2 requests a second
-    assert retry_after(every_half_second, 1) == 1
+    assert retry_after(every_half_second, 1) == 0.5
     assert retry_after(every_half_second, 10) == 5
     assert retry_after([0.0, 100.0], 3) == 60  # capped
+    assert retry_after([0.001 * i for i in range(9)], 1) == 0.1  # floored
 
 
 def test_overload_is_queued_then_served_or_429(tok_bundle, fixture_pairs, tmp_path):

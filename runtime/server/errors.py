@@ -4,6 +4,7 @@ for every bad input, never a 500 for a user's mistake."""
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 
 from fastapi import Request
@@ -65,13 +66,20 @@ def server_error(error: Exception) -> APIError:
                     kind="server_error", code="internal_error")
 
 
+def retry_headers(seconds: float) -> dict[str, str]:
+    """A 429's wait: Retry-After in whole seconds (HTTP's), and retry-after-ms, which the
+    OpenAI SDKs read first, to the millisecond."""
+    return {"Retry-After": str(max(1, math.ceil(seconds))),
+            "retry-after-ms": str(max(1, round(1000 * seconds)))}
+
+
 def install(app) -> None:
     app.add_exception_handler(APIError, lambda _, e: e.response())
     app.add_exception_handler(RequestValidationError, _validation)
     app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(QueueFullError, lambda _, e: APIError(
         429, str(e), code="queue_full", kind="rate_limit_error",
-        headers={"Retry-After": str(e.retry_after)}).response())
+        headers=retry_headers(e.retry_after)).response())
     app.add_exception_handler(ConflictError, lambda _, e: APIError(
         409, str(e), code="conflict").response())
     app.add_exception_handler(RequestError, lambda _, e: APIError(

@@ -20,6 +20,7 @@ from dspark.runtime.sequence.request import GenerationRequest, Sequence
 from dspark.runtime.sequence.sampling import SamplingParams
 from dspark.runtime.sequence.validate import draft_role
 from dspark.runtime.server import choices, errors, tool_calls, waiting
+from dspark.runtime.server.admission import RETRY_HEADER, retry_count
 from dspark.runtime.server.errors import APIError
 from dspark.runtime.server.protocol import GenerationParams, SpeculativeConfig
 from dspark.runtime.server.service import Handle
@@ -154,8 +155,9 @@ async def generate(state: ServerState, body, ids: list[int], kind: str, request:
                        code="shutting_down", headers={"Retry-After": "1"})
     try:
         grammar = await _grammar(state, body)
-        handle = state.service.submit(requests_of(state, body, ids, tenant, prompt_param,
-                                                  grammar))
+        handle = state.service.submit(
+            requests_of(state, body, ids, tenant, prompt_param, grammar),
+            retry_count(request.headers.get(RETRY_HEADER)))
         admitted = await waiting.admitted(state.service, handle, request)
     except RequestError as e:  # named as the client sent it (messages, not prompt)
         state.metrics.request(endpoint, "rejected")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import queue
 import threading
 import time
@@ -25,12 +24,14 @@ from dspark.runtime.engine.engine import Engine
 from dspark.runtime.engine.snapshot import EngineGauges, StepReport
 from dspark.runtime.errors import QueueFullError
 from dspark.runtime.sequence.request import GenerationRequest, Sequence
+from dspark.runtime.server.admission import Admission
 
 log = logging.getLogger("dspark.server")
 IDLE_WAIT_S = 0.05
 IDLE_REFRESH_S = 1.0  # while idle, metrics' rolling windows still move on
 FINISHED_WINDOW = 64  # recent finishes that estimate a 429's Retry-After
-MAX_RETRY_AFTER_S = 60
+MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 0.1, 60.0
+PRIOR_FINISH_RATE = 1.0  # requests a second, until two have finished
 
 
 @dataclass
@@ -70,6 +71,7 @@ class EngineService:
         self.say = say  # where the warm-up's line goes
         self.cost_cache = cost_cache  # the warm-up may read the machine's cost table
         self.max_queue = max_queue
+        self.admission = Admission(max_queue)  # used on the event loop only
         self.on_step = on_step
         self.on_cancel = on_cancel
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -110,8 +112,10 @@ class EngineService:
             if kind == "submit":
                 _admit(arg, None, RuntimeError("the engine stopped before taking the request"))
 
-    def submit(self, request: GenerationRequest | list[GenerationRequest]) -> Handle:
-        """Queue a request (a list: its choices); 429 when the queue is full. `await
+    def submit(self, request: GenerationRequest | list[GenerationRequest],
+               retry: int | None = None) -> Handle:
+        """Queue a request (a list: its choices); 429 when the queue is full (`retry`: its
+        attempt's retry count, None if the client does not say; see admission.py). `await
         handle.admitted` tells whether the engine took it (Engine.submit validates it: a
         RequestError otherwise)."""
         snap = self.snapshot  # as the last step left it: the request that a slot it freed
@@ -119,9 +123,15 @@ class EngineService:
         # arena can hold it back: then up to max_batch more than max_queue wait)
         free = max(0, self.engine.scheduler.max_batch - snap.running)
         waiting = max(0, self.commands.qsize() + snap.waiting - free)
-        if waiting >= self.max_queue:
-            raise QueueFullError(f"{waiting} requests are waiting (limit {self.max_queue})",
-                                 retry_after(self.finished, waiting - self.max_queue + 1))
+        short = self.admission.short(waiting, retry)
+        if short:
+            held = len(self.admission.holds)
+            wait = self.admission.refuse(retry, short, lambda n: retry_after(self.finished, n))
+            raise QueueFullError(
+                f"{waiting} requests are waiting (limit {self.max_queue}"
+                + (f", {held} places held for refused requests coming back)" if held else ")"),
+                wait)
+        self.admission.admitted(retry)
         loop = asyncio.get_running_loop()
         requests = request if isinstance(request, list) else [request]
         handle = Handle(requests, loop, admitted=loop.create_future())
@@ -245,13 +255,13 @@ def _settle(future: asyncio.Future, result, error) -> None:
         future.set_result(result)
 
 
-def retry_after(finished: deque[float] | list[float], places: int) -> int:
-    """A 429's Retry-After: seconds until `places` queue places free up at the rate requests
-    have been finishing (`finished`: their end times on the engine's busy clock, oldest
-    first: requests that finished before an idle spell do not stretch the span the rate is
-    measured over, as wall time would when a burst arrives at an idle server); 1 before
-    two have."""
-    if len(finished) < 2 or finished[-1] <= finished[0]:
-        return 1
-    rate = (len(finished) - 1) / (finished[-1] - finished[0])
-    return max(1, min(MAX_RETRY_AFTER_S, math.ceil(places / rate)))
+def retry_after(finished: deque[float] | list[float], places: int) -> float:
+    """A 429's wait: seconds until `places` queue places free up at the rate requests have
+    been finishing (`finished`: their end times on the engine's busy clock, oldest first:
+    requests that finished before an idle spell do not stretch the span the rate is measured
+    over, as wall time would when a burst arrives at an idle server). Before two have, one
+    request a second: a first burst's refused requests come back spread out, in line."""
+    rate = PRIOR_FINISH_RATE
+    if len(finished) >= 2 and finished[-1] > finished[0]:
+        rate = (len(finished) - 1) / (finished[-1] - finished[0])
+    return max(MIN_RETRY_AFTER_S, min(MAX_RETRY_AFTER_S, places / rate))
