@@ -58,9 +58,9 @@ class VerifyBalancer:
         return not self.config.batch_modes or self.modes.speculate(sequences)
 
     def observe_step(self, sequences: int, speculated: bool, tokens: int,
-                     seconds: float) -> None:
+                     seconds: float, after_idle: bool = False) -> None:
         """A step that fed no prompt: its mode's output tokens per second, by batch size."""
-        self.modes.observe(sequences, speculated, tokens, seconds)
+        self.modes.observe(sequences, speculated, tokens, seconds, after_idle)
 
     def observe(self, tokens: int, seconds: float) -> None:
         """After a verify forward of `tokens` tokens."""

@@ -55,6 +55,7 @@ from dspark.runtime.sequence.request import GenerationRequest, Sequence
 from dspark.runtime.sequence.validate import Limits, validate
 
 log = logging.getLogger("dspark.runtime")
+IDLE_GAP_S = 0.25  # a step this long after the last one's end: not measured (batch_modes.py)
 
 
 class Engine:
@@ -98,6 +99,7 @@ class Engine:
                                          bundle.draft_models)
         self.vocab_size = bundle.model("main").vocab_size
         self.balancer = VerifyBalancer(self.config.verify_balance, self.costs)
+        self._stepped = 0.0  # when the last step ended
         prefix = PrefixCache(self.arena, cached_roles(bundle, self.shared_kv), prefix_cache)
         self.kv = KVCache(self.arena, prefix, lambda: self.scheduler.in_flight)
         self.scheduler = Scheduler(self.kv, self.config, max_batch, prefill_tokens)
@@ -168,9 +170,12 @@ class Engine:
                     rounds.append(record)
             except Exception as e:  # noqa: BLE001 - one sequence's fault ends it alone
                 slot.seq.finish_reason, slot.seq.error = "error", e
-        if plan.measured:  # a prompt's step is plain, and not a measure
+        if plan.measured and (not plan.speculated or any(s.verify for s in plan)):
+            # a prompt's step is plain, not a measure; nor one that verified no drafts
             self.balancer.observe_step(len(plan), plan.speculated, sum(
-                len(s.seq.generated) for s in plan) - before, time.perf_counter() - t0)
+                len(s.seq.generated) for s in plan) - before, time.perf_counter() - t0,
+                after_idle=t0 - self._stepped > IDLE_GAP_S)
+        self._stepped = time.perf_counter()
         for seq in plan.seqs:
             if seq.done:
                 self.scheduler.finish(seq)
