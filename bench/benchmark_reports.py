@@ -200,8 +200,12 @@ REPORTS = [
      "users' prompts would) for 60 s per setting, in three interleaved rounds (each round's "
      "tok/s in brackets: their spread is the noise a ratio carries); dsrun plain and default "
      "(--max-batch 16 --max-queue 32) beside llama-server with 16 slots on the same weights. "
-     "ITL is each request's mean time per token after its first. `same as alone`: every "
-     "greedy text under load equals the same prompt's at one client (docs/serving.md)."),
+     "ITL is each request's mean time per token after its first. A 429 is retried as the "
+     "OpenAI SDK retries it (the same request after retry-after-ms, at most twice): `calls "
+     "refused` failed all three attempts, `call TTFT` counts from a call's first attempt, "
+     "and `fewest requests` is the fewest any one client had served. `same as alone`: "
+     "every greedy text under load equals the same prompt's at one client "
+     "(docs/serving.md)."),
     ("roofline.json", "One client against the memory ceiling",
      "python bench/bench_roofline.py --json build/reports/roofline.json",
      "A decode step streams every weight once, so no engine decodes faster than the "

@@ -146,7 +146,8 @@ class VerifyBalanceConfig:
     batch_cap: bool = True  # cap the batch's window by measured cost (0: plain decoding)
     # steps of 2+ sequences speculate only where, at their batch size, speculating steps
     # have realized more tokens per second than plain ones (dflash/batch_modes.py); the
-    # slower mode is tried again every `mode_explore_every` steps of that size
+    # slower mode is tried again (a trial: five steps) after `mode_explore_every` trials'
+    # time in the faster
     batch_modes: bool = True
     mode_explore_every: int = 24
     # a step that feeds a prompt chunk does not speculate: the chunk waits for the decode
