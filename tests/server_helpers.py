@@ -25,6 +25,20 @@ def api_error(call):
     return info.value
 
 
+def queued_behind_gate(live, call, n: int) -> tuple[threading.Event, list[threading.Thread]]:
+    """Hold the engine thread in a call until the returned gate is set, and start `n`
+    threads running `call`; returns once all `n` requests wait in the service's queue."""
+    service, gate = live.state.service, threading.Event()
+    service.commands.put(("call", (lambda e: gate.wait(30), None, None)))
+    threads = [threading.Thread(target=call) for _ in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while service.commands.qsize() < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return gate, threads
+
+
 class LiveServer:
     def __init__(self, bundle, **kwargs):
         self.app, self.state = build_app(bundle, **kwargs)

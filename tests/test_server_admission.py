@@ -4,13 +4,10 @@ straight back do not take every free place; without the header nothing is held."
 
 from __future__ import annotations
 
-import threading
-import time
-
 import httpx
 import openai
 import pytest
-from server_helpers import MODEL, LiveServer
+from server_helpers import MODEL, LiveServer, queued_behind_gate
 
 from dspark.runtime.server import admission
 from dspark.runtime.server.admission import Admission, retry_count
@@ -93,8 +90,6 @@ def test_a_refused_sdk_call_comes_back_ahead_of_a_new_one(tok_bundle, monkeypatc
     the hold, C's retry is served, and after it new calls are too."""
     monkeypatch.setattr(admission, "HOLD_GRACE_S", 60.0)  # no hold runs out mid-test
     with LiveServer(tok_bundle, max_batch=1, max_queue=1, warmup=False) as live:
-        service, gate = live.state.service, threading.Event()
-        service.commands.put(("call", (lambda e: gate.wait(30), None, None)))
         client, done = live.client(), []
 
         def ask() -> None:
@@ -102,12 +97,7 @@ def test_a_refused_sdk_call_comes_back_ahead_of_a_new_one(tok_bundle, monkeypatc
                                           temperature=0)
             done.append(r.usage.completion_tokens)
 
-        queued = [threading.Thread(target=ask) for _ in range(2)]  # the slot and the queue
-        for t in queued:
-            t.start()
-        deadline = time.monotonic() + 30
-        while service.commands.qsize() < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        gate, queued = queued_behind_gate(live, ask, 2)  # the slot and the queue
         with pytest.raises(openai.RateLimitError) as c_refused:
             ask()
         assert float(c_refused.value.response.headers["retry-after-ms"]) > 0
@@ -130,8 +120,6 @@ def test_without_the_header_a_freed_place_goes_to_whoever_asks(tok_bundle):
     """Clients that do not say they are retrying are served as they come: a 429 holds
     nothing, and the next request after the queue empties is served."""
     with LiveServer(tok_bundle, max_batch=1, max_queue=1, warmup=False) as live:
-        service, gate = live.state.service, threading.Event()
-        service.commands.put(("call", (lambda e: gate.wait(30), None, None)))
         body = {"model": MODEL, "prompt": "hello world", "max_tokens": 4, "temperature": 0}
         results: list[int] = []
 
@@ -139,16 +127,11 @@ def test_without_the_header_a_freed_place_goes_to_whoever_asks(tok_bundle):
             results.append(httpx.post(f"{live.url}/v1/completions", json=body,
                                       timeout=30).status_code)
 
-        queued = [threading.Thread(target=post) for _ in range(2)]
-        for t in queued:
-            t.start()
-        deadline = time.monotonic() + 30
-        while service.commands.qsize() < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        gate, queued = queued_behind_gate(live, post, 2)
         post()
         gate.set()
         for t in queued:
             t.join()
-        assert sorted(results) == [200, 200, 429] and service.admission.holds == []
+        assert sorted(results) == [200, 200, 429] and live.state.service.admission.holds == []
         post()
         assert results[-1] == 200

@@ -9,7 +9,7 @@ import threading
 
 import httpx
 import openai
-from server_helpers import CHAT, MODEL, LiveServer, api_error
+from server_helpers import CHAT, MODEL, LiveServer, api_error, queued_behind_gate
 
 
 def test_cache_resize_and_warmup(gpt2_tok_bundle, tmp_path):
@@ -85,11 +85,7 @@ def test_queue_full_is_429(tok_bundle):
     """Event-driven: a blocking call holds the engine thread, so requests queue; past
     --max-queue waiting ones (the first of three takes the batch's free slot) the next gets a
     429 with Retry-After; once released, the queued complete."""
-    import time
-
     with LiveServer(tok_bundle, max_batch=1, max_queue=2, warmup=False) as live:
-        service, gate = live.state.service, threading.Event()
-        service.commands.put(("call", (lambda e: gate.wait(30), None, None)))
         results = []
 
         def ask() -> None:
@@ -97,12 +93,7 @@ def test_queue_full_is_429(tok_bundle):
                                                  max_tokens=8, temperature=0)
             results.append(r.usage.completion_tokens)
 
-        threads = [threading.Thread(target=ask) for _ in range(3)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 30
-        while service.commands.qsize() < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        gate, threads = queued_behind_gate(live, ask, 3)
         r = httpx.post(f"{live.url}/v1/completions", timeout=30,
                        json={"model": MODEL, "prompt": "hello", "max_tokens": 2})
         gate.set()
