@@ -202,7 +202,8 @@ def test_relay_cancels_a_waiting_generation_when_its_client_goes(json_bundle):
 
     app, state = build_app(json_bundle, warmup=False, watch=False)
     handles, submit, engine = [], state.service.submit, state.service.engine
-    state.service.submit = lambda request: handles.append(submit(request)) or handles[-1]
+    state.service.submit = lambda request, retry=None: (
+        handles.append(submit(request, retry)) or handles[-1])
     release, step = threading.Event(), engine.step
 
     def held_step():
