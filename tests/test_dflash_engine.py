@@ -247,3 +247,20 @@ def test_hybrid_is_offered_at_least_its_min_window(compiled, monkeypatch):
     assert offered("dflash", None, 4) == [4] * 5
     assert offered("dflash", None, 9) == [4] * 5  # the device cap still holds
     assert max(offered("fixed", 1, 4)) <= 1
+
+
+def test_vlb_acceptance_counts_the_draft_models_rounds_only(compiled, monkeypatch):
+    """VLB's batch cap sizes the model's windows, so the acceptance it prices them with
+    counts rounds the model led, not lookup rounds (a lookup that rarely held pulled it
+    down until the cap stopped the model in every batch)."""
+    engine = Engine(open_bundle(compiled[("llama", "classic")]), None, None)
+    counted = []
+    monkeypatch.setattr(engine.balancer, "observe_round", counted.append)
+    rounds = []
+    for i, method in enumerate(("lookup", "lookup", "draft")):
+        engine.submit(GenerationRequest((5, 6, 7, 8) * 12 + (i,), 40, method=method))
+    while engine.busy:
+        rounds += [r for r in engine.step().rounds if r.drafted]
+    led = [r.accepted > 0 for r in rounds if r.sources[0] == "draft"]
+    assert len(led) < len(rounds), "no lookup-led round: nothing tested"
+    assert counted == led

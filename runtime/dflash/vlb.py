@@ -14,12 +14,15 @@ verify size, from the measured cost table (a slope fitted around that size): ~0.
 request, -> 1 when compute-bound.
 
 Beyond the seed, the balancer also caps the window of the whole batch by what pays at its
-size: n requests drafting w tokens each, every token surviving with the measured rate a,
-yield n (1 + a + ... + a^w) tokens for w t_draft(n) + t_main(n (w + 1)) seconds (costs of
-n sequences, see costs.py), against n tokens for t_main(n) without drafting; the cap is
-the w (0 included) with the most tokens per second, plain decoding to be beaten by MARGIN.
-Under heavy batching on a CPU plain decoding already uses the weights it streams for many
-tokens, and speculation would only slow it down: the cap goes to 0. With one request the
+size: n requests drafting w tokens each, every token surviving with the draft model's
+measured rate a, yield n (1 + a + ... + a^w) tokens for w t_draft(n) + t_main(n (w + 1))
+seconds (costs of n sequences, see costs.py); the cap is the w from 1 with the most tokens
+per second. It does not go to 0: whether a batch speculates at all is measured (below), and
+a cap of 0 was a trap. The model then drafted in no batch, so its acceptance was never
+measured again and the cap stayed 0. Priced from a prior and a few early rejections (lookup
+rounds counted too, until they were left out: the cap sizes the model's windows), the fp32
+sample at 4 sequences sat at plain's speed with the model's drafts holding ~95% of the time,
+and its speculating steps realizing 1.5x plain's tokens per second. With one request the
 window policy alone decides.
 
 Whether a batch speculates at all is measured, not modelled (`speculate`, batch_modes.py):
@@ -36,16 +39,13 @@ from dspark.runtime.model.costs import CostModel
 
 PRIOR_ACCEPT = 0.7
 SMOOTHING = 0.05
-# A window must promise this much over plain decoding: the cost model leaves out the
-# engine's own per-round work (acceptance, bookkeeping), about a tenth at a few requests.
-MARGIN = 1.10
 
 
 class VerifyBalancer:
     def __init__(self, config: VerifyBalanceConfig, costs: CostModel):
         self.config = config
         self.costs = costs
-        self.acceptance = PRIOR_ACCEPT  # of fast-lane tokens, EWMA over rounds
+        self.acceptance = PRIOR_ACCEPT  # of the model's first drafts, EWMA over rounds
         self.verify_tokens = 1  # size of the last verify forward
         self.modes = BatchModes(config.mode_explore_every)
 
@@ -67,6 +67,7 @@ class VerifyBalancer:
         self.verify_tokens = max(1, tokens)
 
     def observe_round(self, first_accepted: bool) -> None:
+        """After a round whose first verified draft the draft model proposed."""
         self.acceptance += SMOOTHING * (float(first_accepted) - self.acceptance)
 
     @property
@@ -92,19 +93,16 @@ class VerifyBalancer:
         return max(0.0, min(1.0, marginal * tokens / now))
 
     def batch_cap(self, drafting: int, wanted: int) -> int:
-        """The window (0..wanted) that maximises tokens per second for `drafting`
-        sequences this round; `wanted` when nothing is measured yet."""
+        """The window (1..wanted) that maximises tokens per second for `drafting`
+        sequences this round; `wanted` when nothing is measured yet, 0 when it is 0."""
         t, a, n = self.costs.seconds, self.acceptance, drafting
         draft = t("draft", n, n)
         if n < 2 or not self.config.batch_cap or draft is None or t("main", n) is None:
             return wanted  # one request: its window policy alone decides
-        best, best_rate = 0, MARGIN * n / t("main", n, n)
-        for w in range(1, wanted + 1):
-            tokens = n * sum(a ** j for j in range(w + 1))
-            rate = tokens / (w * draft + t("main", n * (w + 1), n))
-            if rate > best_rate:
-                best, best_rate = w, rate
-        return best
+
+        def rate(w: int) -> float:
+            return n * sum(a ** j for j in range(w + 1)) / (w * draft + t("main", n * (w + 1), n))
+        return max(range(1, wanted + 1), key=rate, default=0)
 
     def steady_tokens(self) -> int:
         cfg, u = self.config, self.utilisation

@@ -34,6 +34,7 @@ from dspark.runtime.dflash.vlb import VerifyBalancer
 from dspark.runtime.drafting.base import Drafting
 from dspark.runtime.drafting.hybrid import HybridDrafter
 from dspark.runtime.drafting.lookup import LookupDrafter
+from dspark.runtime.drafting.model import SOURCE as MODEL_SOURCE
 from dspark.runtime.drafting.model import bundle_drafter
 from dspark.runtime.engine.acceptance import Acceptance, accept, scored_rows
 from dspark.runtime.engine.choices import Choices
@@ -184,16 +185,8 @@ class Engine:
 
     def gauges(self) -> EngineGauges:
         """The engine's state between steps, frozen (what the server and metrics read)."""
-        health, h = self.health, self.health.health
         reloads = None if self._watcher is None else tuple(sorted(self._watcher.reloads.items()))
-        return EngineGauges(
-            self.limits, self.scheduler.pending, len(self.scheduler.running),
-            self.config.cache_resize_grace_period_sec,
-            self.arena.usage(), health.hit_rate, h.kdr, h.vfi,
-            h.clca, health.compactions, health.defrag_moves, self.resources.degraded,
-            self.resources.switches, self.balancer.utilisation, reloads,
-            self.kv.prefix.queried, self.kv.prefix.hit, self.kv.prefix.cached_blocks(),
-            sum(g.blocks.evictions for g in self.arena.groups.values()), self.arena.copies)
+        return EngineGauges.of(self, reloads)
 
     def maintain(self) -> None:
         """Between steps: config reload, cache health, resources (nothing reads the arena)."""
@@ -244,7 +237,7 @@ class Engine:
             seq.stats.record_method(slot.source)
             record = RoundRecord(seq.tenant, len(pending), result.drafted, result.accepted,
                                  sources, slot.source)
-        if result.drafted:
+        if result.drafted and sources[0] == MODEL_SOURCE:  # VLB caps the model's windows
             self.balancer.observe_round(result.accepted > 0)
         self._commit(seq, slot, result, seconds)
         self.planner.observe(seq)

@@ -6,9 +6,13 @@ command queue), so they never see a half-updated engine."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dspark.runtime.sequence.request import Sequence
 from dspark.runtime.sequence.validate import Limits
+
+if TYPE_CHECKING:
+    from dspark.runtime.engine.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -52,3 +56,16 @@ class EngineGauges:
     cached_blocks: int = 0  # registered blocks of the main model (held or not)
     evictions: int = 0  # cached blocks evicted, since start
     copies: int = 0  # shared blocks copied before a write (copy on write), since start
+
+    @classmethod
+    def of(cls, engine: Engine, reloads: tuple[tuple[str, int], ...] | None) -> EngineGauges:
+        """An engine's gauges now (between its steps); `reloads`: its config watcher's."""
+        health, h, prefix = engine.health, engine.health.health, engine.kv.prefix
+        return cls(
+            engine.limits, engine.scheduler.pending, len(engine.scheduler.running),
+            engine.config.cache_resize_grace_period_sec, engine.arena.usage(),
+            health.hit_rate, h.kdr, h.vfi, h.clca, health.compactions, health.defrag_moves,
+            engine.resources.degraded, engine.resources.switches,
+            engine.balancer.utilisation, reloads, prefix.queried, prefix.hit,
+            prefix.cached_blocks(),
+            sum(g.blocks.evictions for g in engine.arena.groups.values()), engine.arena.copies)
