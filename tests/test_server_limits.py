@@ -9,6 +9,7 @@ import threading
 
 import httpx
 import openai
+import pytest
 from server_helpers import CHAT, MODEL, LiveServer, api_error, queued_behind_gate
 
 
@@ -141,7 +142,7 @@ def test_the_finish_rate_leaves_out_idle_spells(tok_bundle):
     two of them does not lower the rate a burst's Retry-After is priced at."""
     import time
 
-    from dspark.runtime.server.service import retry_after
+    from dspark.runtime.server.departures import retry_after
 
     with LiveServer(tok_bundle, warmup=False) as live:
         def ask() -> None:
@@ -151,14 +152,14 @@ def test_the_finish_rate_leaves_out_idle_spells(tok_bundle):
         ask()
         time.sleep(1.5)
         ask()
-        ends = list(live.state.service.finished)
+        ends = list(live.state.service.departures.finished)
     assert len(ends) == 3 and ends[0] < ends[1] < ends[2]
     assert ends[2] - ends[1] < 1.0  # one short request's steps, not the idle 1.5 s
     assert retry_after(ends, 2) < 1.0  # two places at the busy rate: not a second
 
 
 def test_retry_after_follows_the_finish_rate():
-    from dspark.runtime.server.service import retry_after
+    from dspark.runtime.server.departures import retry_after
 
     assert retry_after([], 1) == 1 and retry_after([3.0], 5) == 5  # no rate yet: 1/s
     every_half_second = [0.5 * i for i in range(9)]  # 2 requests a second
@@ -166,6 +167,34 @@ def test_retry_after_follows_the_finish_rate():
     assert retry_after(every_half_second, 10) == 5
     assert retry_after([0.0, 100.0], 3) == 60  # capped
     assert retry_after([0.001 * i for i in range(9)], 1) == 0.1  # floored
+
+
+def test_a_wait_follows_the_running_requests_not_the_average_rate():
+    """Two requests running, 10 and 100 tokens left, a token 50 ms, a request 6.4 s: one
+    place frees in 0.5 s, the second in 5 s (at the average rate of 4 requests a second, it
+    was 0.5 s: a retry came back in the gap after the burst and was refused again), the
+    third when the first one's successor ends, a whole request later. A slot no request
+    holds is the queue's first's, and frees a request later."""
+    from dspark.runtime.server.departures import MARGIN, Departures
+
+    departures = Departures()
+    assert departures.wait(1, (10, 100), 2) == 1.0  # nothing finished yet: the prior rate
+    for i in range(4):  # 4 requests a second; each 129 tokens at 50 ms: 6.4 s
+        departures.started(i, 0.25 * i)
+        departures.ended(i, 0.25 * i + 6.4, 129)
+    assert departures.token_s == pytest.approx(0.05) and departures.request_s == 6.4
+
+    def expect(seconds: float) -> float:
+        return seconds * MARGIN + 2 * 0.05
+
+    assert departures.wait(1, (10, 100), 2) == pytest.approx(expect(0.5))
+    assert departures.wait(2, (10, 100), 2) == pytest.approx(expect(5.0))
+    assert departures.wait(3, (10, 100), 2) == pytest.approx(expect(0.5 + 6.4))
+    assert departures.wait(2, (10,), 2) == pytest.approx(expect(6.4))  # a free slot
+    assert departures.wait(1, (), 4) == pytest.approx(expect(6.4))  # an idle server's burst
+    departures.started(9, 1.0)
+    departures.forget(9)  # a cancelled request measures nothing
+    assert 9 not in departures.first
 
 
 def test_overload_is_queued_then_served_or_429(tok_bundle, fixture_pairs, tmp_path):

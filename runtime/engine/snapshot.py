@@ -56,6 +56,7 @@ class EngineGauges:
     cached_blocks: int = 0  # registered blocks of the main model (held or not)
     evictions: int = 0  # cached blocks evicted, since start
     copies: int = 0  # shared blocks copied before a write (copy on write), since start
+    remaining: tuple[int, ...] = ()  # tokens each running sequence may still generate, fewest first
 
     @classmethod
     def of(cls, engine: Engine, reloads: tuple[tuple[str, int], ...] | None) -> EngineGauges:
@@ -68,4 +69,6 @@ class EngineGauges:
             engine.resources.degraded, engine.resources.switches,
             engine.balancer.utilisation, reloads, prefix.queried, prefix.hit,
             prefix.cached_blocks(),
-            sum(g.blocks.evictions for g in engine.arena.groups.values()), engine.arena.copies)
+            sum(g.blocks.evictions for g in engine.arena.groups.values()), engine.arena.copies,
+            tuple(sorted(s.request.max_tokens - len(s.generated)
+                         for s in engine.scheduler.running)))

@@ -16,7 +16,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,13 +24,11 @@ from dspark.runtime.engine.snapshot import EngineGauges, StepReport
 from dspark.runtime.errors import QueueFullError
 from dspark.runtime.sequence.request import GenerationRequest, Sequence
 from dspark.runtime.server.admission import Admission
+from dspark.runtime.server.departures import Departures
 
 log = logging.getLogger("dspark.server")
 IDLE_WAIT_S = 0.05
 IDLE_REFRESH_S = 1.0  # while idle, metrics' rolling windows still move on
-FINISHED_WINDOW = 64  # recent finishes that estimate a 429's Retry-After
-MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 0.1, 60.0
-PRIOR_FINISH_RATE = 1.0  # requests a second, until two have finished
 
 
 @dataclass
@@ -79,10 +76,10 @@ class EngineService:
         self.ready = threading.Event()
         self.stopping = threading.Event()
         self.snapshot = engine.gauges()  # replaced whole by the engine thread
-        # when requests ended, on a clock that runs only while the engine steps: the rate a
-        # 429's Retry-After divides by is the busy engine's, an idle spell left out
+        # a clock that runs only while the engine steps: the requests' times a 429's
+        # Retry-After is priced from are the busy engine's, an idle spell left out
         self.busy_s = 0.0
-        self.finished: deque[float] = deque(maxlen=FINISHED_WINDOW)
+        self.departures = Departures()
         self.thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
 
     # -- called from the event loop ---------------------------------------------------
@@ -126,7 +123,9 @@ class EngineService:
         short = self.admission.short(waiting, retry)
         if short:
             held = len(self.admission.holds)
-            wait = self.admission.refuse(retry, short, lambda n: retry_after(self.finished, n))
+            wait = self.admission.refuse(retry, short,
+                                         lambda n: self.departures.wait(
+                                             n, snap.remaining, self.engine.scheduler.max_batch))
             raise QueueFullError(
                 f"{waiting} requests are waiting (limit {self.max_queue}"
                 + (f", {held} places held for refused requests coming back)" if held else ")"),
@@ -203,6 +202,7 @@ class EngineService:
                 if not seq.done:
                     self.engine.cancel(seq)
                 self.handles.pop(seq.id, None)
+                self.departures.forget(seq.id)
                 if self.on_cancel is not None:
                     self.on_cancel(seq.id)
         elif kind == "call":
@@ -223,11 +223,13 @@ class EngineService:
                 log.error("request %d failed", seq.id, exc_info=seq.error)
                 handle.post(("error", seq.error))
             elif len(seq.generated) > handle.sent[choice] or seq.done:
+                if not handle.sent[choice]:
+                    self.departures.started(seq.id, self.busy_s)
                 handle.sent[choice] = len(seq.generated)
                 handle.post(("tokens", choice, handle.sent[choice], seq.finish_reason))
             if seq.done:
                 self.handles.pop(seq.id, None)
-                self.finished.append(self.busy_s)
+                self.departures.ended(seq.id, self.busy_s, len(seq.generated))
 
     def _fail_all(self, error: Exception) -> None:
         failed = {id(h): h for h, _ in self.handles.values()}
@@ -237,6 +239,7 @@ class EngineService:
                     self.engine.cancel(seq)
             handle.post(("error", error))
         self.handles.clear()
+        self.departures.first.clear()
 
 
 def _admit(handle: Handle, seq: Sequence | None, error: Exception | None) -> None:
@@ -253,15 +256,3 @@ def _settle(future: asyncio.Future, result, error) -> None:
         future.set_exception(error)
     else:
         future.set_result(result)
-
-
-def retry_after(finished: deque[float] | list[float], places: int) -> float:
-    """A 429's wait: seconds until `places` queue places free up at the rate requests have
-    been finishing (`finished`: their end times on the engine's busy clock, oldest first:
-    requests that finished before an idle spell do not stretch the span the rate is measured
-    over, as wall time would when a burst arrives at an idle server). Before two have, one
-    request a second: a first burst's refused requests come back spread out, in line."""
-    rate = PRIOR_FINISH_RATE
-    if len(finished) >= 2 and finished[-1] > finished[0]:
-        rate = (len(finished) - 1) / (finished[-1] - finished[0])
-    return max(MIN_RETRY_AFTER_S, min(MAX_RETRY_AFTER_S, places / rate))
