@@ -97,12 +97,13 @@ async def run_clients(server: servers.Server, prompts: list[dict], clients: int,
                         else reply.ttft + sent - called,
                         "tokens": reply.completion_tokens, "text": reply.text,
                         "itl": _itl(reply)})
-                    left = end - time.perf_counter()
-                    if reply.status != 429 or attempt == SDK_RETRIES or left <= 0:
+                    wait = reply.retry_after or 1.0
+                    if reply.status != 429 or attempt == SDK_RETRIES:
                         break
-                    # waited out, but not past the setting's end: a sleep beyond it would
-                    # count as seconds that served nothing
-                    await asyncio.sleep(min(reply.retry_after or 1.0, left))
+                    if time.perf_counter() + wait > end:
+                        return  # a wait past the setting's end: the client stops there (sent
+                        # early instead, cut to the end, a retry was refused as early)
+                    await asyncio.sleep(wait)
 
         async def watch() -> None:
             while time.perf_counter() < end:

@@ -106,6 +106,37 @@ def test_queue_full_is_429(tok_bundle):
         assert results == [8, 8, 8]
 
 
+def test_requests_the_engine_took_still_count_as_waiting(tok_bundle):
+    """Requests the engine thread took from the commands sit in the engine's queue: until
+    the next step's snapshot they were counted nowhere, and the queue overfilled."""
+    import threading
+
+    with LiveServer(tok_bundle, max_batch=1, max_queue=2, warmup=False) as live:
+        service, results = live.state.service, []
+
+        def ask() -> None:
+            r = live.client().completions.create(model=MODEL, prompt="hello world",
+                                                 max_tokens=8, temperature=0)
+            results.append(r.usage.completion_tokens)
+
+        gate, threads = queued_behind_gate(live, ask, 3)
+        held, inside = threading.Event(), threading.Event()
+
+        def hold(engine) -> None:  # after the submits, in the same drain: no step between
+            inside.set()
+            held.wait(30)
+        service.commands.put(("call", (hold, None, None)))
+        gate.set()
+        assert inside.wait(30) and service.commands.qsize() == 0
+        r = httpx.post(f"{live.url}/v1/completions", timeout=30,
+                       json={"model": MODEL, "prompt": "hello", "max_tokens": 2})
+        held.set()
+        for t in threads:
+            t.join()
+        assert r.status_code == 429, r.text
+        assert results == [8, 8, 8]
+
+
 def test_a_request_a_freed_slot_takes_is_not_counted_as_waiting(tok_bundle):
     """Between steps the last snapshot still counts, as waiting, the request that the slot a
     finished one freed will take at the next step; the client that just finished and comes
