@@ -3,9 +3,9 @@
 A queue place frees when a running request finishes and the queue's first takes its slot.
 Priced at the average rate requests finish, a wait was wrong in both directions: a batch's
 requests, admitted together, finish in bursts, so a retry told "one place: 0.4 s" came back
-in the gap after a burst and was refused again. At 64 clients on the fp32 sample, 40% of
-first retries and two thirds of second ones were refused, and 7-9% of calls failed after
-the OpenAI SDK's two retries.
+in the gap after a burst and was refused again. At 64 clients on the fp32 sample, 29-34%
+of the first retries that came back on time and two thirds of second ones were refused, and
+7-9% of calls failed after the OpenAI SDK's two retries.
 
 So the wait follows the running requests themselves: the engine publishes the tokens each
 still has to generate (`EngineGauges.remaining`, fewest first), and the service measures a
@@ -66,6 +66,7 @@ class Departures:
                       + [self.request_s] * max(0, slots - len(remaining)))
         laps, k = divmod(places - 1, len(ends))
         return _clamp((ends[k] + laps * self.request_s) * MARGIN + 2 * self.token_s)
+
 
 def retry_after(finished: deque[float] | list[float], places: int) -> float:
     """A 429's wait at the average rate requests have been finishing (`finished`: their end
