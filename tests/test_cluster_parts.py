@@ -202,8 +202,12 @@ def test_relay_cancels_a_waiting_generation_when_its_client_goes(json_bundle):
 
     app, state = build_app(json_bundle, warmup=False, watch=False)
     handles, submit, engine = [], state.service.submit, state.service.engine
-    state.service.submit = lambda request, retry=None: (
-        handles.append(submit(request, retry)) or handles[-1])
+
+    async def recording_submit(request, retry=None):
+        handles.append(await submit(request, retry))
+        return handles[-1]
+
+    state.service.submit = recording_submit
     release, step = threading.Event(), engine.step
 
     def held_step():

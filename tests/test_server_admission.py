@@ -1,8 +1,12 @@
 """Admission under overload: a request refused with a 429 has its place held until it comes
 back (known by the OpenAI SDKs' x-stainless-retry-count header), so the clients that come
-straight back do not take every free place; without the header nothing is held."""
+straight back do not take every free place; a retry back to a still-full queue waits in
+line for its place; without the header nothing is held."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import httpx
 import openai
@@ -54,18 +58,46 @@ def test_nothing_is_held_for_a_client_that_cannot_be_told_again():
     assert gate.holds == [] and gate.short(waiting=0, retry=None) == 0
 
 
+def test_a_retry_back_to_a_full_queue_waits_in_line_for_its_held_place():
+    """Two refused, due back in 1 and 2 s. The first is back on time to a queue still full:
+    it takes the first hold into the line, until that hold's end. A new request still
+    counts both (one held, one in line); the second retry, back, goes after the first."""
+    clock = Clock()
+    gate = Admission(max_queue=4, clock=clock)
+    for _ in range(2):
+        gate.refuse(0, gate.short(waiting=4, retry=0), one_place_a_second)
+    clock.now += 1.0
+    assert gate.short(waiting=4, retry=1) == 1
+    first = gate.claim(1)
+    assert first.end == 101.0 + admission.HOLD_GRACE_S and len(gate.holds) == 1
+    assert gate.short(waiting=3, retry=0) == 2  # a place freed: the line's, then the hold's
+    clock.now += 1.0
+    second = gate.claim(2)
+    assert gate.short(waiting=3, retry=2, place=second) == 1  # behind the first
+    assert gate.short(waiting=3, retry=1, place=first) == 0  # the first takes it
+    gate.admitted(1, first)
+    assert gate.line == [second] and gate.short(waiting=3, retry=2, place=second) == 0
+    gate.leave(second)
+    assert gate.line == [] and gate.holds == []
+    assert gate.claim(0) is None and gate.claim(1) is None  # nothing held: refused outright
+
+
 def test_a_retry_refused_again_goes_after_those_due_back_before_it():
     """Three refused, due back in 1, 2 and 3 s; the first is back at 1 s and finds no place
-    yet (the places freed more slowly than the rate said): it gives up its hold and waits
-    for the place it lacks and for the two due back before that, not one place's time."""
+    before its hold runs out (the places freed more slowly than the rate said): it waits
+    for the place it lacks and for those due back before that, not one place's time."""
     clock = Clock()
     gate = Admission(max_queue=4, clock=clock)
     for _ in range(3):
         gate.refuse(0, gate.short(waiting=4, retry=0), one_place_a_second)
     clock.now += 1.0
-    assert gate.short(waiting=4, retry=1) == 1
-    assert gate.refuse(1, 1, one_place_a_second) == 2.0  # its place, and the one due at 2 s
-    assert len(gate.holds) == 3  # renewed, not doubled
+    place = gate.claim(1)
+    clock.now = place.end
+    assert gate.short(waiting=4, retry=1, place=place) == 1
+    # due back by then: the two others (at 2 and 3 s)
+    assert gate.refuse(1, 1, one_place_a_second) == 3.0
+    gate.leave(place)
+    assert len(gate.holds) == 3 and gate.line == []  # renewed, not doubled
 
 
 def test_a_hold_that_is_never_claimed_runs_out():
@@ -114,6 +146,37 @@ def test_a_refused_sdk_call_comes_back_ahead_of_a_new_one(tok_bundle, monkeypatc
         assert r.usage.completion_tokens == 4  # C, back
         ask()
         assert done == [4, 4, 4]
+
+
+def test_a_retry_back_before_its_place_frees_is_served_not_refused(tok_bundle, monkeypatch):
+    """A live server, the official client: C's call is refused with the queue full; its
+    retry comes back while the queue is still full, waits in line with its connection open,
+    and is served once the queue moves. A new call meanwhile is refused."""
+    monkeypatch.setattr(admission, "HOLD_GRACE_S", 60.0)
+    with LiveServer(tok_bundle, max_batch=1, max_queue=1, warmup=False) as live:
+        client, service, done = live.client(), live.state.service, []
+
+        def ask(retry: str | None = None) -> None:
+            headers = {admission.RETRY_HEADER: retry} if retry else None
+            r = client.completions.create(model=MODEL, prompt="hello world", max_tokens=4,
+                                          temperature=0, extra_headers=headers)
+            done.append(r.usage.completion_tokens)
+
+        gate, queued = queued_behind_gate(live, ask, 2)
+        with pytest.raises(openai.RateLimitError):
+            ask()  # C
+        back = threading.Thread(target=ask, args=("1",))
+        back.start()
+        deadline = time.monotonic() + 30
+        while not service.admission.line and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(service.admission.line) == 1 and service.admission.holds == []
+        with pytest.raises(openai.RateLimitError):
+            ask()  # a new call: the queue's place is C's
+        gate.set()
+        for t in (*queued, back):
+            t.join()
+        assert done == [4, 4, 4] and service.admission.line == []
 
 
 def test_without_the_header_a_freed_place_goes_to_whoever_asks(tok_bundle):

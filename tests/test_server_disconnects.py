@@ -35,8 +35,8 @@ def test_disconnects_cancel_and_free_the_cache(server):
     handles, release = [], threading.Event()
     submit, step = service.submit, engine.step
 
-    def recording_submit(request, retry=None):
-        handle = submit(request, retry)
+    async def recording_submit(request, retry=None):
+        handle = await submit(request, retry)
         handles.append(handle)
         return handle
 

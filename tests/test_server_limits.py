@@ -155,7 +155,7 @@ def test_a_request_a_freed_slot_takes_is_not_counted_as_waiting(tok_bundle):
     async def submit(running: int, waiting: int) -> bool:
         service.snapshot = replace(service.snapshot, running=running, waiting=waiting)
         try:
-            service.submit(GenerationRequest((5, 6, 7), 2))
+            await service.submit(GenerationRequest((5, 6, 7), 2))
         except QueueFullError:
             return False
         while not service.commands.empty():

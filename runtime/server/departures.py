@@ -15,8 +15,9 @@ the n running, when the request that took the (k - n)-th one's slot finishes, a 
 request later; a free place to run in is the queue's first's at the next step, and frees a
 whole request later (a burst at an idle server: everything it admitted ends together). A
 retry that comes back a little late finds its place held (admission.py); one that comes
-back early is refused again, so the wait leans late by MARGIN: at 1.1 the first batch's
-end, its 16 prompts fed in its first steps, came 0.5 s after the 5.7 s told. Until a
+back early waits in line for it, its connection open, at most its hold's grace, and is then
+refused again, so the wait leans late by MARGIN: at 1.1 the first batch's end, its 16
+prompts fed in its first steps, came 0.5 s after the 5.7 s told. Until a
 request has finished the average rate decides (`retry_after`).
 """
 

@@ -155,7 +155,7 @@ async def generate(state: ServerState, body, ids: list[int], kind: str, request:
                        code="shutting_down", headers={"Retry-After": "1"})
     try:
         grammar = await _grammar(state, body)
-        handle = state.service.submit(
+        handle = await state.service.submit(
             requests_of(state, body, ids, tenant, prompt_param, grammar),
             retry_count(request.headers.get(RETRY_HEADER)))
         admitted = await waiting.admitted(state.service, handle, request)

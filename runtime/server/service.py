@@ -29,6 +29,7 @@ from dspark.runtime.server.departures import Departures
 log = logging.getLogger("dspark.server")
 IDLE_WAIT_S = 0.05
 IDLE_REFRESH_S = 1.0  # while idle, metrics' rolling windows still move on
+LINE_POLL_S = 0.05  # how often a retry in line for its held place looks for it
 
 
 @dataclass
@@ -109,33 +110,48 @@ class EngineService:
             if kind == "submit":
                 _admit(arg, None, RuntimeError("the engine stopped before taking the request"))
 
-    def submit(self, request: GenerationRequest | list[GenerationRequest],
-               retry: int | None = None) -> Handle:
+    async def submit(self, request: GenerationRequest | list[GenerationRequest],
+                     retry: int | None = None) -> Handle:
         """Queue a request (a list: its choices); 429 when the queue is full (`retry`: its
-        attempt's retry count, None if the client does not say; see admission.py). `await
-        handle.admitted` tells whether the engine took it (Engine.submit validates it: a
-        RequestError otherwise)."""
-        snap = self.snapshot  # as the last step left it: the request that a slot it freed
-        # takes at the next step still counts as waiting, and it waits for no one (a full KV
-        # arena can hold it back: then up to max_batch more than max_queue wait)
-        free = max(0, self.engine.scheduler.max_batch - snap.running)
-        waiting = max(0, self.commands.qsize() + snap.waiting - free)
-        short = self.admission.short(waiting, retry)
-        if short:
-            held = len(self.admission.holds)
-            wait = self.admission.refuse(retry, short,
-                                         lambda n: self.departures.wait(
-                                             n, snap.remaining, self.engine.scheduler.max_batch))
-            raise QueueFullError(
-                f"{waiting} requests are waiting (limit {self.max_queue}"
-                + (f", {held} places held for refused requests coming back)" if held else ")"),
-                wait)
-        self.admission.admitted(retry)
+        attempt's retry count, None if the client does not say). A retry that comes back to
+        a full queue while a place is held for it waits in line for that place, for as long
+        as the hold lasts (admission.py). `await handle.admitted` tells whether the engine
+        took it (Engine.submit validates it: a RequestError otherwise)."""
+        place = None
+        try:
+            while short := self.admission.short(self._waiting(), retry, place):
+                place = place or self.admission.claim(retry)
+                if place is None or self.admission.clock() >= place.end:
+                    self._refuse(retry, short)
+                await asyncio.sleep(min(LINE_POLL_S, place.end - self.admission.clock()))
+            self.admission.admitted(retry, place)
+            place = None
+        finally:
+            if place is not None:  # refused, or its client left while in line
+                self.admission.leave(place)
         loop = asyncio.get_running_loop()
         requests = request if isinstance(request, list) else [request]
         handle = Handle(requests, loop, admitted=loop.create_future())
         self.commands.put(("submit", handle))
         return handle
+
+    def _waiting(self) -> int:
+        """Requests waiting for a slot. As the last step left it: the request that a slot
+        it freed takes at the next step still counts as waiting, and it waits for no one
+        (a full KV arena can hold it back: then up to max_batch more than max_queue wait)."""
+        snap = self.snapshot
+        free = max(0, self.engine.scheduler.max_batch - snap.running)
+        return max(0, self.commands.qsize() + snap.waiting - free)
+
+    def _refuse(self, retry: int | None, short: int) -> None:
+        held = len(self.admission.holds)
+        remaining = self.snapshot.remaining
+        wait = self.admission.refuse(retry, short, lambda n: self.departures.wait(
+            n, remaining, self.engine.scheduler.max_batch))
+        raise QueueFullError(
+            f"{self._waiting()} requests are waiting (limit {self.max_queue}"
+            + (f", {held} places held for refused requests coming back)" if held else ")"),
+            wait)
 
     def cancel(self, handle: Handle) -> None:
         self.commands.put(("cancel", handle))
