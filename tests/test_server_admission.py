@@ -198,3 +198,48 @@ def test_without_the_header_a_freed_place_goes_to_whoever_asks(tok_bundle):
         assert sorted(results) == [200, 200, 429] and live.state.service.admission.holds == []
         post()
         assert results[-1] == 200
+
+
+def test_a_retry_in_line_is_refused_when_its_hold_ends_and_leaves_it_if_cancelled(tok_bundle):
+    """The service's side, its engine thread not started (the queue stays full): a retry in
+    line waits no longer than its hold, then gets a 429 and a new hold; one whose client
+    goes while it waits leaves the line."""
+    import asyncio
+    from dataclasses import replace
+
+    from dspark.runtime.engine.loader import load_engine
+    from dspark.runtime.errors import QueueFullError
+    from dspark.runtime.sequence.request import GenerationRequest
+    from dspark.runtime.server.service import EngineService
+
+    engine, _ = load_engine(tok_bundle, max_batch=1, warmup=False, watch=False)
+    service, clock = EngineService(engine, max_queue=1), Clock()
+    service.admission = Admission(max_queue=1, clock=clock)
+    service.snapshot = replace(service.snapshot, running=1, waiting=1)
+    request = GenerationRequest((5, 6, 7), 2)
+
+    async def in_line(retry: int) -> asyncio.Task:
+        task = asyncio.create_task(service.submit(request, retry))
+        await asyncio.sleep(0.2)
+        assert len(service.admission.line) == 1 and not task.done()
+        return task
+
+    async def main() -> None:
+        with pytest.raises(QueueFullError):
+            await service.submit(request, 0)
+        (due, end), = service.admission.holds
+        clock.now = due
+        task = await in_line(1)
+        clock.now = end
+        with pytest.raises(QueueFullError):
+            await asyncio.wait_for(task, 5)
+        assert service.admission.line == [] and len(service.admission.holds) == 1
+        clock.now = service.admission.holds[0][0]
+        task = await in_line(2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert service.admission.line == [] and service.admission.holds == []
+        assert service.commands.empty()
+
+    asyncio.run(main())
