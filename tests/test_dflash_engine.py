@@ -264,3 +264,26 @@ def test_vlb_acceptance_counts_the_draft_models_rounds_only(compiled, monkeypatc
     led = [r.accepted > 0 for r in rounds if r.sources[0] == "draft"]
     assert len(led) < len(rounds), "no lookup-led round: nothing tested"
     assert counted == led
+
+
+def test_a_rounds_time_calibrates_its_sequences_hybrid_only_where_it_ran_alone(compiled):
+    """A batch step's time is every sequence's work: charged to each sequence's own rounds,
+    it priced the model at a third of plain's speed after speculating batch steps, so a
+    trial of speculation after plain steps drafted nothing. Calibrated alone only."""
+    engine = Engine(open_bundle(compiled[("llama", "classic")]), None, None)
+    chooser = engine.drafting.chooser
+
+    def decode(seqs: list, steps: int) -> None:
+        while not all(s.generated for s in seqs):
+            engine.step()
+        for _ in range(steps):
+            assert {s.id for s in engine.step().advanced} == {s.id for s in seqs}
+
+    alone = engine.submit(GenerationRequest((5, 6, 7, 8) * 8 + (9,), 24, method="hybrid"))
+    decode([alone], 4)
+    assert chooser.state(alone.id).speed  # calibrated: measured alone
+    engine.cancel(alone)
+    together = [engine.submit(GenerationRequest((5, 6, 7, 8) * 8 + (i,), 24, method="hybrid"))
+                for i in range(2)]
+    decode(together, 4)
+    assert all(not chooser.state(s.id).speed for s in together)

@@ -81,6 +81,20 @@ def test_hybrid_keeps_plain_when_the_draft_model_does_not_pay():
     assert model.asked == []
 
 
+def test_in_a_batch_the_slot_drafts_its_window_and_the_batch_decides():
+    """Priced alone, a model at a fresh sequence's prior acceptance loses to plain; in a
+    batch that speculates (VLB measured it faster at that size, and sized the windows at the
+    batch's costs) each slot with nothing pending drafts its window: single-sequence costs
+    say nothing of a batch's, where drafts and verify tokens share the forwards."""
+    model = FakeModel(cached=10)
+    hybrid = _hybrid(_costs(draft_ms=40.0), model)
+    seqs = [_seq(list(range(10, 20)), seq_id=i) for i in (1, 2)]
+    batch = drafts([Slot(s, 0, method="hybrid", window=4, lookup=8) for s in seqs], hybrid)
+    assert _sources(batch) == ["draft", "draft"] and model.asked == [4, 4]
+    assert _sources(_propose(hybrid, _seq(list(range(30, 40)), seq_id=3), "hybrid", 4, 8)) == [
+        "plain"]  # alone, the cost model still decides
+
+
 @pytest.mark.parametrize("draft_ms,rounds", [(3.0, 8), (40.0, 8), (180.0, 8)])
 def test_a_model_that_did_not_pay_is_retried_within_a_budget(draft_ms, rounds):
     """Re-trials of a model that lost: after `explore_every` rounds without it, and only when

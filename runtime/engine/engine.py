@@ -165,9 +165,12 @@ class Engine:
         logits, verify_ms = self._verify(plan)
         seconds = time.perf_counter() - t0
         rounds, before = [], sum(len(s.seq.generated) for s in plan)
+        # a round's time calibrates its sequence's hybrid (SourceChooser.observe_round) only
+        # where it ran alone: a batch step's time is every sequence's work
+        alone = seconds if len(plan) == 1 else 0.0
         for slot, rows in zip(plan, logits):
             try:
-                if (record := self._advance(slot, rows, seconds)) is not None:
+                if (record := self._advance(slot, rows, alone)) is not None:
                     rounds.append(record)
             except Exception as e:  # noqa: BLE001 - one sequence's fault ends it alone
                 slot.seq.finish_reason, slot.seq.error = "error", e
