@@ -163,11 +163,11 @@ def extension(slot: Slot, drafting: Drafting, batched: bool = False) -> Extensio
     if (pending and pending[0] >= choose.config.lookup_trust
             and not drafting.from_store(seq)):
         return Extension(0)  # a confident lookup: verified as is, no draft forward spent
+    if batched and not pending:
+        return Extension(window)
     # The model's catch-up beyond a round's usual one or two tokens: a prompt it never read
     # is paid once (spread over the output left), output it sat out in lookup rounds is
     # charged to this round (SourceChooser.catch_up).
-    if batched and not pending:
-        return Extension(window)
     behind, read_prompt = lag
     left = seq.request.max_tokens - len(seq.generated)
     overhead = choose.catch_up(behind, left, seq.stats, once=not read_prompt)
